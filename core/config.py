@@ -1,0 +1,549 @@
+"""One validated training configuration that travels form -> stored JSON -> worker -> core.
+
+Every field is documented where it is declared. ``TrainConfig.validate()`` (run by ``__post_init__``)
+checks each rule and raises :class:`ConfigError` naming the field, the bad value and the valid choices.
+Symbols in comments refer to ../shared/MARBLE_SPEC.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+SAMPLER_SIGMAS = ("scheduler",)
+STD_MODES = ("global", "group")
+REFRESH_SCOPES = ("first_microbatch", "step")
+DTYPES = ("float32", "bfloat16", "float16")
+LORA_TARGETS_SD3 = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+
+
+class ConfigError(ValueError):
+    """A configuration value breaks a rule. The message names field, value and valid choices."""
+
+    def __init__(self, field_name: str, value: Any, rule: str):
+        self.field = field_name
+        self.value = value
+        self.rule = rule
+        super().__init__(f"{field_name}={value!r}: {rule}")
+
+
+def _require(ok: bool, field_name: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(field_name, value, rule)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))
+
+
+@dataclass
+class ModelConfig:
+    """Which SD3-family pipeline to train and how its LoRA adapter is shaped."""
+
+    name: str = "tiny"
+    """A registered model name (``core.models.available_models()``), a local diffusers folder,
+    or a Hugging Face repo id that is already in the local cache (nothing is downloaded)."""
+    lora_rank: int = 4
+    """LoRA rank r (the paper: 32)."""
+    lora_alpha: float = 8.0
+    """LoRA alpha (the paper: 64); the adapter's scale is alpha / rank."""
+    lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS_SD3))
+    """Transformer sub-modules that get a LoRA adapter (the paper: the attention projections)."""
+    dtype: str = "float32"
+    """Weights' dtype for the frozen base model. The LoRA parameters always train in float32."""
+    device: str = "auto"
+    """"auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"."""
+
+    def validate(self, prefix: str = "model") -> None:
+        _require(isinstance(self.name, str) and self.name.strip() != "", f"{prefix}.name", self.name,
+                 "must be a model name, a local folder or a cached Hugging Face repo id")
+        _require(_is_int(self.lora_rank) and self.lora_rank >= 1, f"{prefix}.lora_rank", self.lora_rank,
+                 "must be an integer >= 1")
+        _require(_is_number(self.lora_alpha) and self.lora_alpha > 0, f"{prefix}.lora_alpha",
+                 self.lora_alpha, "must be a number > 0")
+        _require(isinstance(self.lora_targets, list) and len(self.lora_targets) > 0
+                 and all(isinstance(t, str) and t for t in self.lora_targets),
+                 f"{prefix}.lora_targets", self.lora_targets, "must be a non-empty list of module names")
+        _require(self.dtype in DTYPES, f"{prefix}.dtype", self.dtype, f"valid choices: {', '.join(DTYPES)}")
+        _require(isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda")
+                                                   or self.device.startswith("cuda:")),
+                 f"{prefix}.device", self.device, "valid choices: auto, cpu, cuda, cuda:N")
+
+
+@dataclass
+class PromptConfig:
+    """Where prompts come from. Each step draws ``prompts_per_step`` prompts, stratified across sources."""
+
+    sources: list[str] = field(default_factory=lambda: ["tiny"])
+    """Registered prompt sources (``core.prompts.available_sources()``) or ``file:PATH`` (.txt, one prompt
+    a line, or .jsonl with a "prompt" key and metadata). Several sources are sampled in equal shares."""
+    split: str = "train"
+    """Which split of each source to draw from: "train" or "test"."""
+
+    def validate(self, prefix: str = "prompts") -> None:
+        _require(isinstance(self.sources, list) and len(self.sources) > 0
+                 and all(isinstance(s, str) and s for s in self.sources),
+                 f"{prefix}.sources", self.sources, "must be a non-empty list of prompt source names")
+        _require(len(set(self.sources)) == len(self.sources), f"{prefix}.sources", self.sources,
+                 "must not name a source twice")
+        from core.prompts import validate_source_name
+
+        for s in self.sources:
+            err = validate_source_name(s)
+            _require(err is None, f"{prefix}.sources", s, err or "")
+        _require(self.split in ("train", "test"), f"{prefix}.split", self.split, "valid choices: train, test")
+
+
+@dataclass
+class SamplingConfig:
+    """Rollouts: deterministic flow-matching sampling with the pipeline's scheduler."""
+
+    num_steps: int = 10
+    """Denoising steps per rollout (the paper: 25). Also the grid of training timesteps (spec §2)."""
+    guidance_scale: float = 1.0
+    """Classifier-free guidance. The authors' rollouts are CFG-free (1.0)."""
+    resolution: int = 64
+    """Image height and width in pixels; must be a multiple of the VAE factor times the patch size."""
+    prompts_per_step: int = 4
+    """Distinct prompts per training step (the paper: 48)."""
+    images_per_prompt: int = 4
+    """Group size: images per prompt, the group for the per-prompt mean (the paper: 24)."""
+    max_sequence_length: int = 77
+    """T5 token budget when the pipeline has a T5 encoder (DiffusionNFT: 128)."""
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.images_per_prompt
+
+    def validate(self, prefix: str = "sampling") -> None:
+        _require(_is_int(self.num_steps) and 2 <= self.num_steps <= 1000, f"{prefix}.num_steps",
+                 self.num_steps, "must be an integer in [2, 1000]")
+        _require(_is_number(self.guidance_scale) and self.guidance_scale >= 1.0, f"{prefix}.guidance_scale",
+                 self.guidance_scale, "must be a number >= 1.0 (1.0 = no guidance)")
+        _require(_is_int(self.resolution) and self.resolution >= 16 and self.resolution % 16 == 0,
+                 f"{prefix}.resolution", self.resolution, "must be a multiple of 16, at least 16")
+        _require(_is_int(self.prompts_per_step) and self.prompts_per_step >= 1, f"{prefix}.prompts_per_step",
+                 self.prompts_per_step, "must be an integer >= 1")
+        _require(_is_int(self.images_per_prompt) and self.images_per_prompt >= 2,
+                 f"{prefix}.images_per_prompt", self.images_per_prompt,
+                 "must be an integer >= 2 (a group of one has no advantage)")
+        _require(_is_int(self.max_sequence_length) and 1 <= self.max_sequence_length <= 512,
+                 f"{prefix}.max_sequence_length", self.max_sequence_length, "must be an integer in [1, 512]")
+
+
+@dataclass
+class NFTConfig:
+    """The DiffusionNFT loss (spec §2). Two different "betas": ``nft_beta`` and ``kl_coef``."""
+
+    nft_beta: float = 0.1
+    """β, the NFT strength in v± = (1∓β)·v_old ± β·v_θ."""
+    adv_clip_max: float = 5.0
+    """A_max: advantages are clipped to [-A_max, A_max]; the loss is scaled by A_max/β."""
+    kl_coef: float = 1e-4
+    """λ_KL on mean((v_θ - v_ref)²), v_ref from the base model with adapters disabled. 0 disables it."""
+    timestep_fraction: float = 0.99
+    """Share of the sampler's timestep grid each sample trains on (a random permutation per sample)."""
+    micro_batch_size: int = 16
+    """Samples per forward/backward pass; a step accumulates over micro-batches and timesteps."""
+    old_decay_rate: float = 0.001
+    """Old adapter soft update θ_old ← η·θ_old + (1-η)·θ with η = min(old_decay_rate·step, old_decay_max)."""
+    old_decay_max: float = 0.95
+
+    def validate(self, prefix: str = "nft") -> None:
+        _require(_is_number(self.nft_beta) and 0 < self.nft_beta <= 1, f"{prefix}.nft_beta", self.nft_beta,
+                 "must be a number in (0, 1]")
+        _require(_is_number(self.adv_clip_max) and self.adv_clip_max > 0, f"{prefix}.adv_clip_max",
+                 self.adv_clip_max, "must be a number > 0")
+        _require(_is_number(self.kl_coef) and self.kl_coef >= 0, f"{prefix}.kl_coef", self.kl_coef,
+                 "must be a number >= 0")
+        _require(_is_number(self.timestep_fraction) and 0 < self.timestep_fraction <= 1,
+                 f"{prefix}.timestep_fraction", self.timestep_fraction, "must be a number in (0, 1]")
+        _require(_is_int(self.micro_batch_size) and self.micro_batch_size >= 1, f"{prefix}.micro_batch_size",
+                 self.micro_batch_size, "must be an integer >= 1")
+        _require(_is_number(self.old_decay_rate) and self.old_decay_rate >= 0, f"{prefix}.old_decay_rate",
+                 self.old_decay_rate, "must be a number >= 0")
+        _require(_is_number(self.old_decay_max) and 0 <= self.old_decay_max < 1, f"{prefix}.old_decay_max",
+                 self.old_decay_max, "must be a number in [0, 1)")
+
+
+@dataclass
+class RewardConfig:
+    """One reward model. ``weight`` only matters for the weighted-sum strategy."""
+
+    name: str
+    """A registered reward (``core.rewards.available_rewards()``)."""
+    weight: float = 1.0
+    """w_k in the weighted-sum baseline's scalar reward Σ w_k R_k."""
+    kwargs: dict = field(default_factory=dict)
+    """Extra arguments for the reward's factory (e.g. a local model path)."""
+
+    def validate(self, prefix: str) -> None:
+        from core.rewards import available_rewards
+
+        names = sorted(available_rewards())
+        _require(self.name in names, f"{prefix}.name", self.name, f"valid choices: {', '.join(names)}")
+        _require(_is_number(self.weight) and self.weight >= 0, f"{prefix}.weight", self.weight,
+                 "must be a number >= 0")
+        _require(isinstance(self.kwargs, dict), f"{prefix}.kwargs", self.kwargs, "must be a JSON object")
+
+
+@dataclass
+class StageConfig:
+    """One stage of the sequential baseline: train on ``rewards`` for ``steps`` steps."""
+
+    rewards: list[str]
+    steps: int
+
+
+@dataclass
+class BalanceConfig:
+    """How the K per-reward signals become one update (spec §4-§7)."""
+
+    strategy: str = "marble"
+    """A registered balancer (``core.balancing.available_balancers()``): marble, marble_full, weighted_sum,
+    equal, single, sequential, and extras."""
+    refresh_every: int = 10
+    """N: full harmonization (K per-reward backward passes + QP) every N steps; amortized in between."""
+    warmup_steps: int = 1
+    """The first steps that are all full harmonization steps."""
+    ema_rho: float = 0.7
+    """ρ in ᾱ_t = ρ·ᾱ_{t-1} + (1-ρ)·α*_t; 0 disables the EMA."""
+    normalize: bool = True
+    """Normalize the per-reward gradients before the QP (the method fails without it; kept for ablation)."""
+    refresh_scope: str = "first_microbatch"
+    """Which part of a full step is harmonized: "first_microbatch" (the authors' code: the rest of the
+    step is amortized with the fresh ᾱ) or "step" (every micro-batch of the step)."""
+    diagnose_every: int = 10
+    """M: per-reward gradient diagnostics every M steps for any strategy (0 = only on full steps)."""
+    single_reward: str | None = None
+    """For strategy "single": the one reward that trains."""
+    stages: list[StageConfig] = field(default_factory=list)
+    """For strategy "sequential": the schedule of stages; the last stage continues after its steps."""
+
+    def validate(self, reward_names: list[str], prefix: str = "balance") -> None:
+        from core.balancing import available_balancers
+
+        names = sorted(available_balancers())
+        _require(self.strategy in names, f"{prefix}.strategy", self.strategy, f"valid choices: {', '.join(names)}")
+        _require(_is_int(self.refresh_every) and self.refresh_every >= 1, f"{prefix}.refresh_every",
+                 self.refresh_every, "must be an integer >= 1")
+        _require(_is_int(self.warmup_steps) and self.warmup_steps >= 0, f"{prefix}.warmup_steps",
+                 self.warmup_steps, "must be an integer >= 0")
+        _require(_is_number(self.ema_rho) and 0 <= self.ema_rho < 1, f"{prefix}.ema_rho", self.ema_rho,
+                 "must be a number in [0, 1)")
+        _require(isinstance(self.normalize, bool), f"{prefix}.normalize", self.normalize, "must be true or false")
+        _require(self.refresh_scope in REFRESH_SCOPES, f"{prefix}.refresh_scope", self.refresh_scope,
+                 f"valid choices: {', '.join(REFRESH_SCOPES)}")
+        _require(_is_int(self.diagnose_every) and self.diagnose_every >= 0, f"{prefix}.diagnose_every",
+                 self.diagnose_every, "must be an integer >= 0")
+        if self.strategy == "single":
+            _require(self.single_reward in reward_names, f"{prefix}.single_reward", self.single_reward,
+                     f"strategy 'single' needs one of the run's rewards: {', '.join(reward_names)}")
+        if self.strategy == "sequential":
+            _require(len(self.stages) > 0, f"{prefix}.stages", self.stages,
+                     "strategy 'sequential' needs at least one stage")
+        for i, st in enumerate(self.stages):
+            _require(isinstance(st.rewards, list) and len(st.rewards) > 0
+                     and all(r in reward_names for r in st.rewards),
+                     f"{prefix}.stages[{i}].rewards", st.rewards,
+                     f"must be a non-empty subset of the run's rewards: {', '.join(reward_names)}")
+            _require(_is_int(st.steps) and st.steps >= 1, f"{prefix}.stages[{i}].steps", st.steps,
+                     "must be an integer >= 1")
+
+
+@dataclass
+class AdvantageConfig:
+    """Per-reward advantages A_k = (R_k - μ_k(prompt)) / (σ_k + eps) (spec §3)."""
+
+    std_mode: str = "global"
+    """"global": σ over all valid images of the batch (the authors' code); "group": σ per prompt group."""
+    eps: float = 1e-4
+
+    def validate(self, prefix: str = "advantage") -> None:
+        _require(self.std_mode in STD_MODES, f"{prefix}.std_mode", self.std_mode,
+                 f"valid choices: {', '.join(STD_MODES)}")
+        _require(_is_number(self.eps) and self.eps > 0, f"{prefix}.eps", self.eps, "must be a number > 0")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW on the LoRA parameters (spec §8)."""
+
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 1e-4
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 disables clipping."""
+
+    def validate(self, prefix: str = "optim") -> None:
+        _require(_is_number(self.lr) and self.lr > 0, f"{prefix}.lr", self.lr, "must be a number > 0")
+        for name in ("beta1", "beta2"):
+            v = getattr(self, name)
+            _require(_is_number(v) and 0 <= v < 1, f"{prefix}.{name}", v, "must be a number in [0, 1)")
+        _require(_is_number(self.weight_decay) and self.weight_decay >= 0, f"{prefix}.weight_decay",
+                 self.weight_decay, "must be a number >= 0")
+        _require(_is_number(self.eps) and self.eps > 0, f"{prefix}.eps", self.eps, "must be a number > 0")
+        _require(_is_number(self.grad_clip) and self.grad_clip >= 0, f"{prefix}.grad_clip", self.grad_clip,
+                 "must be a number >= 0 (0 = no clipping)")
+
+
+def _default_rewards() -> list[RewardConfig]:
+    return [RewardConfig("jpeg_compressibility"), RewardConfig("colorfulness"), RewardConfig("brightness")]
+
+
+@dataclass
+class TrainConfig:
+    """A whole training run. JSON round-trip with :meth:`to_json` / :meth:`from_json`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    prompts: PromptConfig = field(default_factory=PromptConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    nft: NFTConfig = field(default_factory=NFTConfig)
+    rewards: list[RewardConfig] = field(default_factory=_default_rewards)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    steps: int = 20
+    """Training steps; one step = one rollout batch and one optimizer update."""
+    seed: int = 0
+    """Every random draw of step s derives from (seed, s), so a resumed run repeats an uninterrupted one."""
+    checkpoint_every: int = 10
+    """Save a checkpoint every this many steps (and always at the end); 0 = only at the end."""
+    sample_every: int = 10
+    """Record the rollout images of every this many steps as sample events (0 = never)."""
+    num_threads: int = 0
+    """torch CPU threads (0 = torch's default)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def reward_names(self) -> list[str]:
+        return [r.name for r in self.rewards]
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.prompts.validate()
+        self.sampling.validate()
+        self.nft.validate()
+        _require(isinstance(self.rewards, list) and len(self.rewards) >= 1, "rewards", self.rewards,
+                 "needs at least one reward")
+        for i, r in enumerate(self.rewards):
+            r.validate(f"rewards[{i}]")
+        names = self.reward_names
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        _require(not dupes, "rewards", names, f"each reward may appear once; repeated: {', '.join(dupes)}")
+        if self.balance.strategy == "weighted_sum":
+            _require(sum(r.weight for r in self.rewards) > 0, "rewards[*].weight",
+                     [r.weight for r in self.rewards], "weighted_sum needs at least one weight > 0")
+        self.balance.validate(names)
+        self.advantage.validate()
+        self.optim.validate()
+        _require(_is_int(self.steps) and self.steps >= 1, "steps", self.steps, "must be an integer >= 1")
+        _require(_is_int(self.seed) and self.seed >= 0, "seed", self.seed, "must be an integer >= 0")
+        _require(_is_int(self.checkpoint_every) and self.checkpoint_every >= 0, "checkpoint_every",
+                 self.checkpoint_every, "must be an integer >= 0")
+        _require(_is_int(self.sample_every) and self.sample_every >= 0, "sample_every", self.sample_every,
+                 "must be an integer >= 0")
+        _require(_is_int(self.num_threads) and self.num_threads >= 0, "num_threads", self.num_threads,
+                 "must be an integer >= 0")
+
+    # ---- serialization -------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TrainConfig":
+        return _build(cls, data, "")
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainConfig":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError("<json>", text[:60], f"is not valid JSON ({e})") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TrainConfig":
+        return cls.from_json(Path(path).read_text())
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    def with_overrides(self, overrides: Mapping[str, Any] | list[str]) -> "TrainConfig":
+        """A copy with dotted-key overrides: ``{"balance.ema_rho": 0.5}`` or ``["balance.ema_rho=0.5"]``.
+
+        String values are parsed as JSON when they are valid JSON (numbers, true/false, lists), else kept
+        as strings.
+        """
+        if isinstance(overrides, list):
+            parsed = {}
+            for item in overrides:
+                if "=" not in item:
+                    raise ConfigError("--set", item, "must look like key=value, e.g. balance.ema_rho=0.5")
+                k, v = item.split("=", 1)
+                parsed[k.strip()] = _parse_value(v)
+            overrides = parsed
+        data = self.to_dict()
+        for key, value in overrides.items():
+            _set_dotted(data, key, value)
+        return TrainConfig.from_dict(data)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node: Any = data
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(key, value, f"'{part}' is not an index of a list of {len(node)}")
+            part_key: Any = int(part)
+        else:
+            if part not in node:
+                valid = ", ".join(sorted(node)) if isinstance(node, dict) else "none"
+                raise ConfigError(key, value, f"unknown key '{part}'; valid keys here: {valid}")
+            part_key = part
+        if last:
+            node[part_key] = value
+        else:
+            node = node[part_key]
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    """Build a (nested) dataclass from plain JSON data, rejecting unknown keys by name."""
+    name = prefix or "config"
+    if not isinstance(data, Mapping):
+        raise ConfigError(name, data, "must be a JSON object")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{prefix + '.' if prefix else ''}{unknown[0]}", data[unknown[0]],
+                          f"unknown key; valid keys: {', '.join(fields)}")
+    kwargs = {}
+    for key, value in data.items():
+        f = fields[key]
+        sub = f"{prefix}.{key}" if prefix else key
+        kwargs[key] = _convert(f.type, value, sub)
+    if cls is TrainConfig:
+        return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        raise ConfigError(name, dict(data), f"incomplete: {e}") from None
+
+
+_NESTED = {
+    "ModelConfig": ModelConfig,
+    "PromptConfig": PromptConfig,
+    "SamplingConfig": SamplingConfig,
+    "NFTConfig": NFTConfig,
+    "BalanceConfig": BalanceConfig,
+    "AdvantageConfig": AdvantageConfig,
+    "OptimConfig": OptimConfig,
+}
+
+
+def _convert(type_str: Any, value: Any, prefix: str) -> Any:
+    t = str(type_str)
+    if t in _NESTED:
+        return _build(_NESTED[t], value, prefix)
+    if t == "list[RewardConfig]":
+        if not isinstance(value, list):
+            raise ConfigError(prefix, value, "must be a list of {name, weight, kwargs} objects")
+        return [_build(RewardConfig, v if not isinstance(v, str) else {"name": v}, f"{prefix}[{i}]")
+                for i, v in enumerate(value)]
+    if t == "list[StageConfig]":
+        if not isinstance(value, list):
+            raise ConfigError(prefix, value, "must be a list of {rewards, steps} objects")
+        return [_build(StageConfig, v, f"{prefix}[{i}]") for i, v in enumerate(value)]
+    if t == "float" and _is_int(value):
+        return float(value)
+    return copy.deepcopy(value)
+
+
+# ---- presets ---------------------------------------------------------------------------------------
+
+def _preset_tiny() -> TrainConfig:
+    return TrainConfig()
+
+
+def _preset_tiny_variant(strategy: str, **balance: Any) -> TrainConfig:
+    cfg = TrainConfig.to_dict(TrainConfig())
+    cfg["balance"].update({"strategy": strategy, **balance})
+    return TrainConfig.from_dict(cfg)
+
+
+def _sd35m_paper() -> TrainConfig:
+    """The paper's recipe (spec §8) for one node; scale prompts_per_step with the number of GPUs."""
+    return TrainConfig(
+        model=ModelConfig(name="stabilityai/stable-diffusion-3.5-medium", lora_rank=32, lora_alpha=64.0,
+                          dtype="bfloat16"),
+        prompts=PromptConfig(sources=["tiny"]),
+        sampling=SamplingConfig(num_steps=25, guidance_scale=1.0, resolution=512, prompts_per_step=48,
+                                images_per_prompt=24, max_sequence_length=128),
+        nft=NFTConfig(micro_batch_size=8),
+        rewards=_default_rewards(),
+        balance=BalanceConfig(strategy="marble", refresh_every=10, warmup_steps=1, ema_rho=0.7),
+        steps=1000,
+        checkpoint_every=50,
+    )
+
+
+PRESETS: dict[str, tuple[str, Any]] = {
+    "tiny": ("Tiny random-weight SD3, three weight-free rewards, MARBLE (N=10, ρ=0.7). Seconds per step.",
+             _preset_tiny),
+    "tiny-weighted-sum": ("The tiny preset with the weighted-sum baseline.",
+                          lambda: _preset_tiny_variant("weighted_sum")),
+    "tiny-equal": ("The tiny preset with fixed equal α = 1/K.", lambda: _preset_tiny_variant("equal")),
+    "tiny-marble-full": ("The tiny preset solving the QP every step (no amortization).",
+                         lambda: _preset_tiny_variant("marble_full")),
+    "tiny-sequential": ("The tiny preset with a sequential schedule over its rewards.",
+                        lambda: _preset_tiny_variant("sequential", stages=[
+                            {"rewards": ["jpeg_compressibility"], "steps": 8},
+                            {"rewards": ["colorfulness"], "steps": 6},
+                            {"rewards": ["brightness"], "steps": 6}])),
+    "sd35m-paper": ("SD3.5 Medium with the paper's hyper-parameters (needs the weights locally).", _sd35m_paper),
+}
+
+
+def available_presets() -> dict[str, str]:
+    """Preset name -> one-line description."""
+    return {name: desc for name, (desc, _) in PRESETS.items()}
+
+
+def preset(name: str) -> TrainConfig:
+    if name not in PRESETS:
+        raise ConfigError("preset", name, f"valid choices: {', '.join(PRESETS)}")
+    return PRESETS[name][1]()

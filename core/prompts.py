@@ -1,0 +1,144 @@
+"""Prompt sources: named sets of prompts with metadata, split into train and test, sampled per step.
+
+A source yields ``PromptItem``s; ``metadata["source"]`` always names the source so specialist rewards can
+decide where they apply (spec §1: most rollouts are informative for a few rewards only). Each step draws
+its prompts stratified across the configured sources (spec §8: 16/16/16 across three sources).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    text: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PromptSource:
+    name: str
+    description: str
+    train: list[PromptItem]
+    test: list[PromptItem]
+
+    def split(self, split: str) -> list[PromptItem]:
+        items = self.train if split == "train" else self.test
+        if not items:
+            raise ValueError(f"prompt source {self.name!r} has no {split!r} prompts")
+        return items
+
+
+_SOURCES: dict[str, tuple[str, Callable[[], PromptSource]]] = {}
+
+
+def register_source(name: str, description: str):
+    def deco(builder: Callable[[], PromptSource]):
+        _SOURCES[name] = (description, builder)
+        return builder
+
+    return deco
+
+
+def available_sources() -> dict[str, str]:
+    return {name: desc for name, (desc, _) in _SOURCES.items()}
+
+
+def validate_source_name(name: str) -> str | None:
+    """None when ``name`` can be loaded, else the reason (used by config validation)."""
+    if name.startswith("file:"):
+        path = Path(name[5:]).expanduser()
+        if not path.is_file():
+            return f"prompt file {str(path)!r} does not exist"
+        if path.suffix not in (".txt", ".jsonl"):
+            return f"prompt file {str(path)!r} must end in .txt (one prompt a line) or .jsonl"
+        return None
+    if name not in _SOURCES:
+        return f"valid choices: {', '.join(_SOURCES)} or file:PATH(.txt|.jsonl)"
+    return None
+
+
+def load_source(name: str) -> PromptSource:
+    if name.startswith("file:"):
+        return _load_file(Path(name[5:]).expanduser(), name)
+    if name not in _SOURCES:
+        raise ValueError(f"prompt source {name!r} is unknown; valid choices: {', '.join(_SOURCES)} or file:PATH")
+    return _SOURCES[name][1]()
+
+
+def _split_every(items: list[PromptItem], every: int = 5) -> tuple[list[PromptItem], list[PromptItem]]:
+    """Deterministic held-out split: every ``every``-th prompt is a test prompt."""
+    test = [it for i, it in enumerate(items) if i % every == every - 1]
+    train = [it for i, it in enumerate(items) if i % every != every - 1]
+    return train, test
+
+
+def _load_file(path: Path, name: str) -> PromptSource:
+    """.txt: one prompt a line. .jsonl: objects with "prompt" (or "text") and any metadata; an optional
+    "split" key ("train"/"test") overrides the default every-5th held-out split."""
+    items: list[PromptItem] = []
+    explicit: list[str | None] = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            text = obj.pop("prompt", obj.pop("text", None))
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(f"{path}:{lineno}: needs a non-empty \"prompt\" string")
+            explicit.append(obj.pop("split", None))
+            items.append(PromptItem(text.strip(), {"source": name, **obj}))
+        else:
+            explicit.append(None)
+            items.append(PromptItem(line.strip(), {"source": name}))
+    if not items:
+        raise ValueError(f"prompt file {path} holds no prompts")
+    if any(s is not None for s in explicit):
+        train = [it for it, s in zip(items, explicit) if s != "test"]
+        test = [it for it, s in zip(items, explicit) if s == "test"]
+    else:
+        train, test = _split_every(items) if len(items) >= 5 else (items, items)
+    return PromptSource(name, f"prompts from {path}", train, test)
+
+
+_TINY_SUBJECTS = ["circle", "square", "triangle", "star", "ring", "stripe pattern"]
+_TINY_COLOURS = ["red", "green", "blue", "yellow", "purple", "white"]
+
+
+@register_source("tiny", "36 short colour-and-shape captions for the tiny model (every 5th held out).")
+def _tiny_source() -> PromptSource:
+    items = [PromptItem(f"a {c} {s}", {"source": "tiny", "color": c, "object": s})
+             for s in _TINY_SUBJECTS for c in _TINY_COLOURS]
+    train, test = _split_every(items)
+    return PromptSource("tiny", available_sources()["tiny"], train, test)
+
+
+class PromptSampler:
+    """Draws each step's prompts, stratified across sources in equal shares (the remainder rotates)."""
+
+    def __init__(self, source_names: list[str], split: str = "train"):
+        self.sources = [load_source(n) for n in source_names]
+        self.split = split
+        self.pools = [s.split(split) for s in self.sources]
+
+    def sample(self, n: int, rng: np.random.Generator, step: int = 0) -> list[PromptItem]:
+        k = len(self.pools)
+        counts = [n // k] * k
+        for j in range(n % k):
+            counts[(step + j) % k] += 1
+        out: list[PromptItem] = []
+        for pool, c in zip(self.pools, counts):
+            if c == 0:
+                continue
+            idx = rng.choice(len(pool), size=c, replace=c > len(pool))
+            out.extend(pool[i] for i in idx)
+        return out

@@ -1,0 +1,53 @@
+"""Sample one image: ``python -m core.sample --model NAME|PATH [--lora DIR] --prompt P --seed S --out FILE.png``.
+
+``--lora`` takes a checkpoint folder written by training (diffusers LoRA format, loaded with
+``pipe.load_lora_weights``), so any diffusers user can load the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m core.sample", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", help="built-in model name, local folder or cached repo id")
+    parser.add_argument("--lora", help="a checkpoint folder with pytorch_lora_weights.safetensors")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True, help="output .png")
+    parser.add_argument("--steps", type=int, default=10, help="denoising steps")
+    parser.add_argument("--guidance", type=float, default=1.0)
+    parser.add_argument("--resolution", type=int, default=64)
+    parser.add_argument("--max-sequence-length", type=int, default=77)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = parser.parse_args(argv)
+
+    from core.models import ModelNotFoundError, load_pipeline, resolve_device
+    from core.sampling import generate_images, to_pil
+
+    try:
+        pipe = load_pipeline(args.model, args.dtype, str(resolve_device("auto")))
+        if args.lora:
+            lora = Path(args.lora)
+            if not (lora / "pytorch_lora_weights.safetensors").is_file():
+                raise FileNotFoundError(f"--lora {str(lora)!r} holds no pytorch_lora_weights.safetensors; pass a "
+                                        f"checkpoint folder such as RUN/checkpoints/step_000010")
+            pipe.load_lora_weights(str(lora))
+    except (ModelNotFoundError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    images = generate_images(pipe, [args.prompt], [args.seed], args.steps, args.guidance, args.resolution,
+                             args.max_sequence_length)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    to_pil(images)[0].save(out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Headless training: ``python -m core.train (--preset NAME | --config FILE) [--set k=v ...] --out DIR``.
+
+Writes DIR/config.json, DIR/events.jsonl (one JSON object per event), DIR/samples/ and
+DIR/checkpoints/step_NNNNNN/, with a progress bar on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from core.config import ConfigError, TrainConfig, available_presets, preset
+
+EVENTS_FILE = "events.jsonl"
+
+
+class JsonlWriter:
+    """Appends events to DIR/events.jsonl, flushing each line so readers can tail it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.handle = open(path, "a", buffering=1)
+
+    def __call__(self, event) -> None:
+        self.handle.write(json.dumps(event.to_dict()) + "\n")
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+def truncate_events_after(path: Path, step: int) -> int:
+    """Drop events of steps after ``step`` (a resumed run repeats them); returns how many were dropped."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a crash
+            dropped += 1
+            continue
+        if ev.get("event") in ("start", "end") or int(ev.get("step", 0)) <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(k + "\n" for k in kept))
+    os.replace(tmp, path)
+    return dropped
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    root = run_dir / "checkpoints"
+    found = sorted(p for p in root.glob("step_*") if (p / "training_state.pt").is_file()) if root.exists() else []
+    return found[-1] if found else None
+
+
+def build_config(args: argparse.Namespace) -> TrainConfig:
+    if args.config:
+        cfg = TrainConfig.load(args.config)
+    else:
+        cfg = preset(args.preset or "tiny")
+    overrides = list(args.set or [])
+    if args.steps is not None:
+        overrides.append(f"steps={args.steps}")
+    return cfg.with_overrides(overrides) if overrides else cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m core.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--preset", help=f"one of: {', '.join(available_presets())} (default: tiny)")
+    src.add_argument("--config", help="a TrainConfig JSON file")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="override a field by dotted path, e.g. --set balance.ema_rho=0.5 (repeatable)")
+    parser.add_argument("--out", required=True, help="the run folder")
+    parser.add_argument("--steps", type=int, help="shorthand for --set steps=N")
+    parser.add_argument("--resume", metavar="DIR", nargs="?", const="latest",
+                        help="a checkpoint folder, or no value for the run's latest checkpoint")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+
+    out = Path(args.out)
+    resume = None
+    try:
+        if args.resume is not None and not args.config and not args.preset and (out / "config.json").exists():
+            args.config = str(out / "config.json")
+        config = build_config(args)
+        if args.resume == "latest":
+            resume = latest_checkpoint(out)
+            if resume is None:
+                raise FileNotFoundError(f"--resume: no checkpoint under {out / 'checkpoints'}")
+        elif args.resume:
+            resume = Path(args.resume)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from tqdm import tqdm
+
+    from core.trainer import train
+
+    out.mkdir(parents=True, exist_ok=True)
+    if resume is not None:
+        import torch
+
+        step = int(torch.load(resume / "training_state.pt", map_location="cpu", weights_only=False)["step"])
+        truncate_events_after(out / EVENTS_FILE, step)
+    writer = JsonlWriter(out / EVENTS_FILE)
+    bar = tqdm(total=config.steps, disable=args.quiet, unit="step", dynamic_ncols=True)
+
+    def on_event(event) -> None:
+        writer(event)
+        if event.kind == "start":
+            bar.n = event.step
+            bar.refresh()
+        elif event.kind == "step":
+            bar.update(event.step - bar.n)
+            bar.set_postfix({k[:12]: f"{v:.3g}" for k, v in event.rewards.items() if v is not None}, refresh=False)
+
+    try:
+        result = train(config, out, on_event=on_event, resume_from=resume)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        bar.close()
+        writer.close()
+    print(f"{result.status}: {result.step} steps; events in {out / EVENTS_FILE}; "
+          f"checkpoint {result.last_checkpoint}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,409 @@
+"""MARBLE training on the DiffusionNFT loss, one readable loop (MARBLE_SPEC §2-§6).
+
+Per step:  rollout (old adapter) -> rewards R [B, K] -> per-reward advantages A [B, K] -> r [B, K]
+-> for each unit (a micro-batch of samples at one of their training timesteps):
+     forward once: v_old, v_θ, v_ref -> L⁺, L⁻, KL                           (shared by all K rewards)
+     full (harmonized) unit: K backward passes -> g_k, Gram, QP -> d = Σ c_k g_k, plus ∇KL
+     amortized unit: one backward of Σ_k ᾱ_k ℓ_k + λ_KL·KL                   (§5, single-reward cost)
+-> clip, AdamW, θ_old ← η·θ_old + (1-η)·θ.
+The trainer knows nothing about storage: it emits events (core.events) and checks ``should_stop``.
+Every random draw of step s comes from (seed, s), which makes resume exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from core.advantages import per_reward_advantages, weighted_sum_rewards
+from core.balancing import make_balancer
+from core.config import TrainConfig
+from core.events import (BalanceEvent, CheckpointEvent, EndEvent, Event, SampleEvent, StartEvent, StepEvent)
+from core.loss import advantage_to_r, combined_objective, kl_loss, nft_loss_terms, per_reward_objectives
+from core.models import Policy, VelocityInputs, load_pipeline, resolve_device
+from core.prompts import PromptSampler
+from core.rewards import make_reward
+from core.sampling import Rollout, decode_latents, encode_prompts, generate_latents, sampler_sigmas
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "training_state.pt"
+# Fields that may change when a run is resumed; anything else must match the checkpoint.
+RESUMABLE_CHANGES = ("steps", "checkpoint_every", "sample_every", "num_threads")
+
+
+class StopTraining(Exception):
+    pass
+
+
+@dataclass
+class TrainResult:
+    status: str  # "completed" or "stopped"
+    step: int
+    out_dir: Path
+    last_checkpoint: Path | None
+
+
+def _step_seed(seed: int, step: int) -> int:
+    return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
+
+
+def _flat(grads: tuple[torch.Tensor | None, ...], params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)])
+
+
+def _add_flat_to_grad(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    offset = 0
+    for p in params:
+        n = p.numel()
+        view = flat[offset:offset + n].view_as(p).to(p.dtype)
+        p.grad = view.clone() if p.grad is None else p.grad.add_(view)
+        offset += n
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    na, nb = a.norm().item(), b.norm().item()
+    if not (na > 1e-12 and nb > 1e-12 and math.isfinite(na) and math.isfinite(nb)):
+        return float("nan")
+    return float((a @ b).item() / (na * nb))
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, out_dir: str | Path,
+                 on_event: Callable[[Event], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None):
+        self.config = config
+        self.out_dir = Path(out_dir)
+        self.on_event = on_event
+        self.should_stop = should_stop or (lambda: False)
+        self._observer_failed = False
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.model.device)
+        self.pipe = load_pipeline(config.model.name, config.model.dtype, str(self.device))
+        self.policy = Policy(self.pipe, config.model, self.device)
+        self.params = self.policy.parameters
+        o = config.optim
+        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2),
+                                           weight_decay=o.weight_decay, eps=o.eps)
+        self.reward_names = config.reward_names
+        self.rewards = [make_reward(r.name, **r.kwargs) for r in config.rewards]
+        self.reward_weights = [r.weight for r in config.rewards]
+        self.balancer = make_balancer(config.balance.strategy, self.reward_names, config.balance, self.reward_weights)
+        self.prompts = PromptSampler(config.prompts.sources, config.prompts.split)
+        self.sigmas = sampler_sigmas(self.pipe, config.sampling.num_steps)[:-1]  # σ grid without the final 0
+        self.step = 0
+
+    # ---- events -----------------------------------------------------------------------------------
+    def emit(self, event: Event) -> None:
+        """Deliver an event; a failing observer is logged once and never stops training."""
+        if self.on_event is None:
+            return
+        try:
+            self.on_event(event)
+        except Exception:  # noqa: BLE001 - observers must not kill training
+            if not self._observer_failed:
+                log.exception("event observer failed on %s; training continues", event.kind)
+            self._observer_failed = True
+
+    # ---- rollout and rewards ----------------------------------------------------------------------
+    def rollout(self, step: int) -> Rollout:
+        c = self.config.sampling
+        rng = np.random.default_rng([self.config.seed, step])
+        items = self.prompts.sample(c.prompts_per_step, rng, step)
+        prompts = [it.text for it in items for _ in range(c.images_per_prompt)]
+        metadata = [dict(it.metadata) for it in items for _ in range(c.images_per_prompt)]
+        seeds = [int(s) for s in rng.integers(0, 2**31 - 1, size=len(prompts))]
+        groups = torch.arange(len(items)).repeat_interleave(c.images_per_prompt)
+        emb = encode_prompts(self.pipe, prompts, c.max_sequence_length, c.guidance_scale, self.device)
+        x0 = generate_latents(self.pipe, self.policy.velocity_old, emb, seeds, c.num_steps, c.guidance_scale,
+                              c.resolution, self.device)
+        images = decode_latents(self.pipe, x0)
+        return Rollout(x0, images, prompts, metadata, seeds, groups, emb, self.sigmas)
+
+    def score(self, batch: Rollout) -> torch.Tensor:
+        """R [B, K] on CPU, NaN where a reward does not apply."""
+        cols = [reward(batch.images, batch.prompts, batch.metadata).float().cpu() for reward in self.rewards]
+        return torch.stack(cols, dim=1)
+
+    # ---- one unit's forward -----------------------------------------------------------------------
+    def _forward(self, batch: Rollout, idx: torch.Tensor, t: torch.Tensor, noise: torch.Tensor):
+        """L⁺, L⁻ and KL [b] for samples ``idx`` at σ = t [b], sharing one set of predictions."""
+        nft = self.config.nft
+        x0 = batch.x0[idx]
+        t_dev = t.to(self.device)
+        tb = t_dev.view(-1, 1, 1, 1)
+        x_t = (1 - tb) * x0 + tb * noise.to(self.device)
+        emb = batch.embeddings
+        inp = VelocityInputs(x_t, t_dev, emb.prompt_embeds[idx], emb.pooled[idx])
+        v_old = self.policy.velocity_old(inp)
+        v_theta = self.policy.velocity(inp)
+        l_pos, l_neg = nft_loss_terms(v_theta, v_old, x_t, x0, t_dev, nft.nft_beta)
+        if nft.kl_coef > 0:
+            kl = kl_loss(v_theta, self.policy.velocity_ref(inp))
+        else:
+            kl = torch.zeros_like(l_pos)
+        return l_pos, l_neg, kl
+
+    def _grads(self, loss: torch.Tensor, retain: bool = True) -> torch.Tensor:
+        g = torch.autograd.grad(loss, self.params, retain_graph=retain, allow_unused=True)
+        return _flat(g, self.params).double()
+
+    # ---- one training step ------------------------------------------------------------------------
+    def train_step(self, step: int) -> None:
+        cfg, nft, bal = self.config, self.config.nft, self.config.balance
+        t0 = time.perf_counter()
+        batch = self.rollout(step)
+        R = self.score(batch)  # [B, K]
+        A = per_reward_advantages(R, batch.groups, cfg.advantage.std_mode, cfg.advantage.eps)  # [B, K]
+        r_rewards = advantage_to_r(A, nft.adv_clip_max).to(self.device)  # [B, K], NaN = not applicable
+        if self.balancer.scalarize:  # weighted sum: one scalar reward, one advantage
+            R_ws = weighted_sum_rewards(R, self.reward_weights)
+            A_ws = per_reward_advantages(R_ws[:, None], batch.groups, cfg.advantage.std_mode, cfg.advantage.eps)
+            r_train = advantage_to_r(A_ws, nft.adv_clip_max).to(self.device)  # [B, 1]
+        else:
+            r_train = r_rewards
+
+        # Units: micro-batches of shuffled samples x each sample's permuted timesteps (spec §2).
+        B, T_grid = len(batch.prompts), len(self.sigmas)
+        T = max(1, int(T_grid * nft.timestep_fraction))
+        gen = torch.Generator().manual_seed(_step_seed(cfg.seed, step))
+        t_index = torch.argsort(torch.rand(B, T_grid, generator=gen), dim=1)[:, :T]  # [B, T]
+        order = torch.randperm(B, generator=gen)
+        units = [(mb, j) for mb in order.split(nft.micro_batch_size) for j in range(T)]
+        U = len(units)
+
+        full = self.balancer.needs_gradients(step) and not self.balancer.scalarize
+        harmonized = set(range(U)) if (full and bal.refresh_scope == "step") else ({0} if full else set())
+        diagnose = full or (bal.diagnose_every > 0 and step % bal.diagnose_every == 0)
+        K = len(self.reward_names)
+        P = self.policy.num_trainable
+        g_sum = torch.zeros(K, P, dtype=torch.float64, device=self.device)  # Σ over harmonized units of g_k
+        kl_sum = torch.zeros(P, dtype=torch.float64, device=self.device)
+        per_reward_sum = torch.zeros(K, dtype=torch.float64, device=self.device)
+        diag: dict | None = None
+        loss_total, kl_total = 0.0, 0.0
+        for p in self.params:
+            p.grad = None
+
+        for ui, (idx, j) in enumerate(units):
+            if self.should_stop():
+                raise StopTraining()
+            t = self.sigmas[t_index[idx, j]]
+            noise = torch.randn(batch.x0[idx].shape, generator=gen)
+            l_pos, l_neg, kl = self._forward(batch, idx, t, noise)
+            kl_term = nft.kl_coef * kl.mean()
+            kl_total += kl.mean().item() / U
+            if ui in harmonized or (diagnose and ui == 0):  # K backward passes on one shared forward
+                per_reward = per_reward_objectives(l_pos, l_neg, r_rewards[idx], nft.nft_beta, nft.adv_clip_max)
+                g_k = torch.stack([self._grads(per_reward[k]) for k in range(K)])  # [K, P]
+                g_kl = self._grads(kl_term) if nft.kl_coef > 0 else torch.zeros_like(kl_sum)
+            if ui in harmonized:
+                g_sum += g_k
+                kl_sum += g_kl
+                per_reward_sum += per_reward.detach().double()
+                if bal.refresh_scope == "first_microbatch":  # solve now: later units use the fresh ᾱ
+                    diag, loss_part = self._apply_harmonized(g_sum, kl_sum, per_reward_sum, 1.0 / U, step)
+                    loss_total += loss_part
+                continue
+            alpha = torch.as_tensor(self._train_alpha(step), dtype=torch.float32, device=self.device)
+            loss = combined_objective(l_pos, l_neg, r_train[idx], alpha, nft.nft_beta, nft.adv_clip_max)
+            loss_total += loss.item() / U
+            if diagnose and ui == 0:  # the strategy's own unit gradient, against each reward's
+                update = self._grads(loss + kl_term, retain=False)
+                _add_flat_to_grad(self.params, update / U)
+                diag = self._diagnostics(g_k, update, "diagnostic", None, step)
+            else:
+                ((loss + kl_term) / U).backward()
+
+        if full and bal.refresh_scope == "step":  # one solve on the whole step's mean gradients
+            diag, loss_part = self._apply_harmonized(g_sum / U, kl_sum / U, per_reward_sum / U, 1.0, step)
+            loss_total += loss_part
+
+        grad_norm = self._clip_and_step(step)
+        seconds = time.perf_counter() - t0
+        self.step = step + 1
+        alpha_now = self.balancer.advantage_weights(step)
+        valid = torch.isfinite(R)
+        self.emit(StepEvent(
+            step=self.step,
+            rewards={n: _nanmean(R[:, k]) for k, n in enumerate(self.reward_names)},
+            alpha={n: float(a) for n, a in zip(self.reward_names, alpha_now)},
+            seconds=seconds, loss=loss_total + nft.kl_coef * kl_total, kl=kl_total, grad_norm=grad_norm,
+            phase="full" if full else ("diagnostic" if diagnose else "amortized"),
+            valid_counts={n: int(valid[:, k].sum()) for k, n in enumerate(self.reward_names)},
+            reward_std={n: _nanstd(R[:, k]) for k, n in enumerate(self.reward_names)},
+            stage=self.balancer.current_stage(step) if hasattr(self.balancer, "current_stage") else None))
+        if diag is not None:
+            self.emit(BalanceEvent(step=self.step, **diag))
+        if cfg.sample_every and (self.step % cfg.sample_every == 0 or self.step == 1):
+            self._save_samples(batch, R, A)
+
+    def _apply_harmonized(self, g: torch.Tensor, g_kl: torch.Tensor, losses: torch.Tensor, scale: float,
+                          step: int) -> tuple[dict, float]:
+        """Full step (spec §4): QP on the Gram of the per-reward gradients g [K, P]; the update
+        d + ∇KL (d = Σ c_k g_k) is added to .grad with ``scale``. Returns the diagnostics and the loss."""
+        decision = self.balancer.balance(g.matmul(g.T).cpu().numpy(), step)
+        weights = torch.as_tensor(decision.grad_weights, dtype=torch.float64, device=self.device)
+        update = weights @ g + g_kl
+        _add_flat_to_grad(self.params, update * scale)
+        alpha_raw = torch.as_tensor(decision.alpha_raw, dtype=torch.float64, device=self.device)
+        return self._diagnostics(g, update, "full", decision, step), float(alpha_raw @ losses) * scale
+
+    def _train_alpha(self, step: int) -> np.ndarray:
+        return np.asarray([1.0]) if self.balancer.scalarize else np.asarray(self.balancer.advantage_weights(step))
+
+    def _clip_and_step(self, step: int) -> float:
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        clip = self.config.optim.grad_clip
+        max_norm = clip if clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        nft = self.config.nft
+        self.policy.soft_update_old(min(nft.old_decay_rate * step, nft.old_decay_max))
+        return grad_norm
+
+    def _diagnostics(self, g: torch.Tensor, update: torch.Tensor, phase: str, decision, step: int) -> dict:
+        """Gram/cosine matrix of the per-reward gradients and each one's cosine with the applied update."""
+        names = self.reward_names
+        norms = g.norm(dim=1)
+        valid = torch.isfinite(norms) & (norms > 1e-12)
+        gram = g @ g.T
+        denom = torch.outer(norms, norms)
+        cos = torch.where(torch.outer(valid, valid), gram / denom.clamp(min=1e-300), torch.full_like(gram, math.nan))
+        if decision is None:
+            alpha_raw = alpha_ema = self.balancer.advantage_weights(step)
+            solver, seconds = "diagnostic", 0.0
+        else:
+            alpha_raw, alpha_ema = decision.alpha_raw, decision.alpha_ema
+            solver, seconds = decision.solver, float(getattr(decision, "seconds", 0.0))
+        return dict(
+            alpha_raw={n: float(a) for n, a in zip(names, alpha_raw)},
+            alpha_ema={n: float(a) for n, a in zip(names, alpha_ema)},
+            cosine={"names": list(names), "matrix": cos.cpu().tolist()},
+            cos_to_update={n: _cos(g[k], update) if valid[k] else float("nan") for k, n in enumerate(names)},
+            grad_norms={n: float(norms[k]) for k, n in enumerate(names)},
+            valid={n: bool(valid[k]) for k, n in enumerate(names)},
+            solver=solver, phase=phase, update_norm=float(update.norm()), solve_seconds=seconds)
+
+    def _save_samples(self, batch: Rollout, R: torch.Tensor, A: torch.Tensor) -> None:
+        from PIL import Image
+
+        rel = Path("samples") / f"step_{self.step:06d}"
+        folder = self.out_dir / rel
+        folder.mkdir(parents=True, exist_ok=True)
+        items = []
+        arr = (batch.images.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
+        for i in range(len(batch.prompts)):
+            name = f"{i:03d}.png"
+            Image.fromarray(arr[i]).save(folder / name)
+            items.append({
+                "prompt": batch.prompts[i], "source": batch.metadata[i].get("source"), "seed": batch.seeds[i],
+                "group": int(batch.groups[i]), "path": str(rel / name),
+                "rewards": {n: float(R[i, k]) for k, n in enumerate(self.reward_names)},
+                "advantages": {n: float(A[i, k]) for k, n in enumerate(self.reward_names)}})
+        self.emit(SampleEvent(step=self.step, items=items))
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        """checkpoints/step_NNNNNN/: the diffusers LoRA (pytorch_lora_weights.safetensors, with its alpha
+        metadata) plus training_state.pt (old adapter, optimizer, balancer state, step, config)."""
+        root = self.out_dir / "checkpoints"
+        final = root / f"step_{self.step:06d}"
+        tmp = root / f".tmp_step_{self.step:06d}_{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.policy.save_diffusers_lora(tmp)
+        torch.save({
+            "step": self.step,
+            "policy": self.policy.lora_state("policy"),
+            "old": self.policy.lora_state("old"),
+            "optimizer": self.optimizer.state_dict(),
+            "balancer": self.balancer.state_dict(),
+            "config": self.config.to_dict(),
+        }, tmp / STATE_FILE)
+        self.config.save(tmp / "config.json")
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)  # atomic: a checkpoint folder is complete or absent
+        self.emit(CheckpointEvent(step=self.step, path=str(final)))
+        return final
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        path = Path(path)
+        state_file = path / STATE_FILE
+        if not state_file.is_file():
+            raise FileNotFoundError(f"resume: {str(path)!r} is not a checkpoint folder (no {STATE_FILE}); "
+                                    f"pick one under <run>/checkpoints/")
+        state = torch.load(state_file, map_location="cpu", weights_only=False)
+        _check_resumable(state["config"], self.config.to_dict())
+        self.policy.load_lora_state(state["policy"], state["old"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.balancer.load_state_dict(state["balancer"])
+        self.step = int(state["step"])
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def run(self, resume_from: str | Path | None = None) -> TrainResult:
+        if resume_from is not None:
+            self.load_checkpoint(resume_from)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.config.save(self.out_dir / "config.json")
+        started = time.perf_counter()
+        self.emit(StartEvent(step=self.step, total_steps=self.config.steps, reward_names=self.reward_names,
+                             strategy=self.config.balance.strategy,
+                             trainable_parameters=self.policy.num_trainable, device=str(self.device),
+                             resumed_from=None if resume_from is None else str(resume_from)))
+        last_ckpt: Path | None = Path(resume_from) if resume_from is not None else None
+        status = "completed"
+        every = self.config.checkpoint_every
+        try:
+            while self.step < self.config.steps:
+                if self.should_stop():
+                    raise StopTraining()
+                self.train_step(self.step)
+                if every and self.step % every == 0:
+                    last_ckpt = self.save_checkpoint()
+        except StopTraining:
+            status = "stopped"
+        if last_ckpt is None or not last_ckpt.name.endswith(f"{self.step:06d}"):
+            if self.step > 0:
+                last_ckpt = self.save_checkpoint()
+        self.emit(EndEvent(step=self.step, status=status, seconds=time.perf_counter() - started))
+        return TrainResult(status, self.step, self.out_dir, last_ckpt)
+
+
+def _check_resumable(saved: dict, current: dict) -> None:
+    saved = {k: v for k, v in saved.items() if k not in RESUMABLE_CHANGES}
+    current = {k: v for k, v in current.items() if k not in RESUMABLE_CHANGES}
+    diffs = [k for k in current if saved.get(k) != current.get(k)]
+    if diffs:
+        raise ValueError(f"resume: the config differs from the checkpoint's in {', '.join(diffs)}; only "
+                         f"{', '.join(RESUMABLE_CHANGES)} may change on resume")
+
+
+def _nanmean(x: torch.Tensor) -> float:
+    v = x[torch.isfinite(x)]
+    return float(v.mean()) if v.numel() else float("nan")
+
+
+def _nanstd(x: torch.Tensor) -> float:
+    v = x[torch.isfinite(x)]
+    return float(v.std(unbiased=False)) if v.numel() else float("nan")
+
+
+def train(config: TrainConfig, out_dir: str | Path, on_event: Callable[[Event], None] | None = None,
+          should_stop: Callable[[], bool] | None = None, resume_from: str | Path | None = None) -> TrainResult:
+    """Run (or resume) a training run; events go to ``on_event``; ``should_stop`` is polled between units."""
+    return Trainer(config, out_dir, on_event, should_stop).run(resume_from)
