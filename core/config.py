@@ -126,8 +126,9 @@ class SamplingConfig:
     """Distinct prompts per training step (the paper: 48)."""
     images_per_prompt: int = 4
     """Group size: images per prompt, the group for the per-prompt mean (the paper: 24)."""
-    max_sequence_length: int = 77
-    """T5 token budget when the pipeline has a T5 encoder (DiffusionNFT: 128)."""
+    max_sequence_length: int = 8
+    """T5 token budget (DiffusionNFT: 128). A pipeline without T5 pads this many zero tokens: keep it
+    small there (each one costs attention time and carries nothing)."""
 
     @property
     def batch_size(self) -> int:

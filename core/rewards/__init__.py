@@ -1,0 +1,13 @@
+"""Rewards: one signature, registered by name (STYLE.md principle 6).
+
+    images [B, 3, H, W] in [0, 1] + B prompts + B metadata dicts -> float32 [B] on the CPU, NaN = n/a
+
+Importing this package registers the built-in rewards and stays light (no torch, no model
+libraries): the web process imports it to list reward names. Rewards with heavy dependencies import
+them inside their factory.
+"""
+
+from core.rewards.base import Reward, available_rewards, make_reward, register_reward
+from core.rewards import image_stats  # noqa: F401,E402  (registers the weight-free rewards)
+
+__all__ = ["Reward", "available_rewards", "make_reward", "register_reward"]
