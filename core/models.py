@@ -112,6 +112,14 @@ def build_tiny_pipeline(seed: int = 0, text_max_length: int = 32):
 _OPTIONAL_COMPONENTS = ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor")
 
 
+def hf_cache_dir() -> str:
+    """The Hugging Face hub cache, read from the environment at call time (HF_HUB_CACHE, HF_HOME)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(home, "hub")
+
+
 def resolve_model_path(name: str) -> Path:
     """A local diffusers folder for ``name``: the folder itself, or the cached snapshot of a repo id.
 
@@ -128,10 +136,10 @@ def resolve_model_path(name: str) -> Path:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import LocalEntryNotFoundError
 
+        cache = hf_cache_dir()
         try:
-            return Path(snapshot_download(repo_id=name, local_files_only=True))
+            return Path(snapshot_download(repo_id=name, local_files_only=True, cache_dir=cache))
         except (LocalEntryNotFoundError, FileNotFoundError, OSError) as e:
-            cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
             raise ModelNotFoundError(
                 f"model {name!r} is not in the local Hugging Face cache ({cache}) and nothing is downloaded at "
                 f"run time. On a machine with network run `hf download {name}` and copy the cache here, or pass "
@@ -188,7 +196,7 @@ class VelocityInputs:
 class Policy:
     """The SD3 transformer with a trainable LoRA adapter, a soft-copied old adapter and the base reference."""
 
-    def __init__(self, pipe, config: ModelConfig, device: torch.device):
+    def __init__(self, pipe, config: ModelConfig, device: torch.device, seed: int = 0):
         from peft import LoraConfig
 
         self.pipe = pipe
@@ -197,7 +205,9 @@ class Policy:
         self.compute_dtype = DTYPES[config.dtype]
         self.lora_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
                                       init_lora_weights="gaussian", target_modules=list(config.lora_targets))
-        self.transformer.add_adapter(self.lora_config)
+        with torch.random.fork_rng(devices=[]):  # LoRA A's random init depends on the run's seed only
+            torch.manual_seed(seed)
+            self.transformer.add_adapter(self.lora_config)
         self.named_trainable: dict[str, torch.nn.Parameter] = {}
         for name, p in self.transformer.named_parameters():
             if "lora_" in name:

@@ -90,7 +90,7 @@ class Trainer:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.model.device)
         self.pipe = load_pipeline(config.model.name, config.model.dtype, str(self.device))
-        self.policy = Policy(self.pipe, config.model, self.device)
+        self.policy = Policy(self.pipe, config.model, self.device, seed=config.seed)
         self.params = self.policy.parameters
         o = config.optim
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2),

@@ -1,0 +1,88 @@
+import json
+
+import pytest
+
+from core.config import ConfigError, TrainConfig, available_presets, preset
+
+
+@pytest.mark.parametrize("name", list(available_presets()))
+def test_every_preset_validates_and_round_trips_through_json(name):
+    cfg = preset(name)
+    again = TrainConfig.from_json(cfg.to_json())
+    assert again == cfg
+    assert json.loads(again.to_json()) == json.loads(cfg.to_json())
+
+
+def test_unknown_preset_lists_choices():
+    with pytest.raises(ConfigError, match="valid choices: .*tiny"):
+        preset("nope")
+
+
+@pytest.mark.parametrize("key,value,pattern", [
+    ("balance.strategy", "magic", r"balance.strategy='magic': valid choices: .*marble.*weighted_sum"),
+    ("balance.ema_rho", 1.5, r"balance.ema_rho=1.5: must be a number in \[0, 1\)"),
+    ("balance.refresh_every", 0, r"balance.refresh_every=0: must be an integer >= 1"),
+    ("advantage.std_mode", "local", r"advantage.std_mode='local': valid choices: global, group"),
+    ("sampling.images_per_prompt", 1, r"images_per_prompt=1: must be an integer >= 2"),
+    ("sampling.resolution", 50, r"sampling.resolution=50: must be a multiple of 16"),
+    ("nft.nft_beta", 0, r"nft.nft_beta=0.0: must be a number in \(0, 1\]"),
+    ("model.dtype", "float8", r"model.dtype='float8': valid choices: float32, bfloat16, float16"),
+    ("prompts.sources", ["nowhere"], r"prompts.sources='nowhere': valid choices: .*tiny"),
+    ("steps", -3, r"steps=-3: must be an integer >= 1"),
+])
+def test_bad_values_name_field_value_and_rule(key, value, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        preset("tiny").with_overrides({key: value})
+
+
+def test_bad_reward_name_and_duplicate_reward():
+    data = preset("tiny").to_dict()
+    data["rewards"][0]["name"] = "aesthetics_v9"
+    with pytest.raises(ConfigError, match=r"rewards\[0\].name='aesthetics_v9': valid choices: .*brightness"):
+        TrainConfig.from_dict(data)
+    data = preset("tiny").to_dict()
+    data["rewards"].append(dict(data["rewards"][0]))
+    with pytest.raises(ConfigError, match="repeated: jpeg_compressibility"):
+        TrainConfig.from_dict(data)
+
+
+def test_strategy_specific_rules():
+    with pytest.raises(ConfigError, match=r"balance.single_reward=None: strategy 'single' needs one of"):
+        preset("tiny").with_overrides({"balance.strategy": "single"})
+    with pytest.raises(ConfigError, match=r"balance.stages\[0\].rewards=\['ocr'\]: must be a non-empty subset"):
+        preset("tiny").with_overrides({"balance.strategy": "sequential",
+                                       "balance.stages": [{"rewards": ["ocr"], "steps": 3}]})
+    with pytest.raises(ConfigError, match="needs at least one stage"):
+        preset("tiny").with_overrides({"balance.strategy": "sequential", "balance.stages": []})
+
+
+def test_unknown_keys_are_rejected_by_name():
+    data = preset("tiny").to_dict()
+    data["balance"]["rho"] = 0.5
+    with pytest.raises(ConfigError, match=r"balance.rho=0.5: unknown key; valid keys: strategy"):
+        TrainConfig.from_dict(data)
+    with pytest.raises(ConfigError, match="unknown key 'lr_max'"):
+        preset("tiny").with_overrides(["optim.lr_max=3"])
+
+
+def test_overrides_parse_json_values_and_keep_strings():
+    cfg = preset("tiny").with_overrides(["balance.ema_rho=0.5", "balance.normalize=false",
+                                         "model.name=tiny", "steps=7"])
+    assert cfg.balance.ema_rho == 0.5 and cfg.balance.normalize is False and cfg.steps == 7
+    assert cfg.model.name == "tiny"
+    with pytest.raises(ConfigError, match="must look like key=value"):
+        preset("tiny").with_overrides(["steps"])
+
+
+def test_invalid_json_is_a_config_error():
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        TrainConfig.from_json("{steps: 3")
+
+
+def test_sd35_preset_carries_the_papers_hyperparameters():
+    cfg = preset("sd35m-paper")
+    assert (cfg.model.lora_rank, cfg.model.lora_alpha) == (32, 64.0)
+    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.grad_clip) == (3e-4, 1e-4, 1.0)
+    assert (cfg.nft.nft_beta, cfg.nft.adv_clip_max, cfg.nft.kl_coef) == (0.1, 5.0, 1e-4)
+    assert (cfg.balance.refresh_every, cfg.balance.ema_rho) == (10, 0.7)
+    assert (cfg.sampling.num_steps, cfg.sampling.resolution, cfg.sampling.images_per_prompt) == (25, 512, 24)
