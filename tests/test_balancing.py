@@ -2,6 +2,9 @@
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -438,6 +441,15 @@ def test_registry_lists_the_strategies():
     for name in names:
         cfg = BalanceConfig(strategy=name, single_reward="a", stages=[StageConfig(["a"], 1)])
         assert make_balancer(name, NAMES3, cfg, [1.0, 1.0, 1.0]).name == name
+
+
+def test_listing_balancers_imports_neither_torch_nor_cvxpy():
+    # config validation in the web process calls available_balancers(): it must stay light
+    code = ("import sys, core.balancing as b; b.available_balancers(); "
+            "print('torch' in sys.modules, 'cvxpy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.split() == ["False", "False"]
 
 
 def test_unknown_balancer_lists_valid_choices():

@@ -1,0 +1,146 @@
+"""``python -m benchmarks [--steps N] [--only NAME ...]``: JSON lines, one per measurement.
+
+Each line compares against a baseline measured in the same run on the same machine, so the ratios
+carry over between machines even though the seconds do not:
+- step_time: seconds per training step of amortized MARBLE (N=10) and of marble_full, each over
+  weighted-sum training, on the tiny model (steps interleaved so drift hits all three alike);
+- min_norm_qp: median time of one min_norm_weights solve for K=5 (target <= 1 ms);
+- peak_memory: training memory above the loaded model (peak RSS growth, one process per strategy);
+- reward_speed: milliseconds per 64x64 image of each weight-free reward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+STRATEGIES = ("weighted_sum", "marble", "marble_full")
+
+
+def _config(strategy: str, steps: int):
+    from core.config import preset
+
+    return preset("tiny").with_overrides({"balance.strategy": strategy, "steps": steps, "sample_every": 0,
+                                          "checkpoint_every": 0, "balance.refresh_every": 10,
+                                          "balance.diagnose_every": 0})
+
+
+def bench_step_time(steps: int) -> dict:
+    """Interleaved: step s of every strategy runs before step s+1 of any. Step 0 (warm-up) is dropped."""
+    import tempfile
+
+    from core.trainer import Trainer
+
+    trainers = {s: Trainer(_config(s, steps + 1), tempfile.mkdtemp(prefix=f"bench_{s}_")) for s in STRATEGIES}
+    seconds: dict[str, list[float]] = {s: [] for s in STRATEGIES}
+    for step in range(steps + 1):
+        for name, trainer in trainers.items():
+            t0 = time.perf_counter()
+            trainer.train_step(step)
+            if step > 0:
+                seconds[name].append(time.perf_counter() - t0)
+    mean = {s: statistics.fmean(v) for s, v in seconds.items()}
+    base = mean["weighted_sum"]
+    return {"bench": "step_time", "model": "tiny", "steps": steps, "refresh_every": 10,
+            "seconds_per_step": {s: round(v, 4) for s, v in mean.items()},
+            "ratio_marble_over_weighted_sum": round(mean["marble"] / base, 4),
+            "ratio_marble_full_over_weighted_sum": round(mean["marble_full"] / base, 4),
+            "target_marble_ratio": 1.05, "paper_marble_ratio_speed": 0.97}
+
+
+def bench_qp(k: int = 5, repeats: int = 300) -> dict:
+    import numpy as np
+
+    from core.balancing import min_norm_weights
+
+    rng = np.random.default_rng(0)
+    times = []
+    min_norm_weights(np.eye(k))  # compile once (cached per K)
+    for _ in range(repeats):
+        g = rng.normal(size=(k, 64))
+        gram = g @ g.T
+        t0 = time.perf_counter()
+        min_norm_weights(gram)
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    return {"bench": "min_norm_qp", "K": k, "median_ms": round(med * 1e3, 4),
+            "p95_ms": round(sorted(times)[int(0.95 * len(times))] * 1e3, 4), "target_ms": 1.0,
+            "ratio_to_target": round(med * 1e3 / 1.0, 4)}
+
+
+def _memory_child(strategy: str, steps: int) -> None:
+    import resource
+    import tempfile
+
+    from core.trainer import Trainer
+
+    trainer = Trainer(_config(strategy, steps), tempfile.mkdtemp(prefix="bench_mem_"))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for step in range(steps):
+        trainer.train_step(step)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"before_kb": before, "peak_kb": peak}))
+
+
+def bench_memory(steps: int) -> dict:
+    growth = {}
+    for s in STRATEGIES:
+        out = subprocess.run([sys.executable, "-m", "benchmarks", "--memory-child", s, "--steps", str(steps)],
+                             capture_output=True, text=True, check=True)
+        rec = json.loads(out.stdout.strip().splitlines()[-1])
+        growth[s] = max(rec["peak_kb"] - rec["before_kb"], 1)
+    base = growth["weighted_sum"]
+    return {"bench": "peak_memory", "model": "tiny", "measure": "peak RSS growth during training (KiB)",
+            "growth_kb": growth, "ratio_marble_over_weighted_sum": round(growth["marble"] / base, 4),
+            "ratio_marble_full_over_weighted_sum": round(growth["marble_full"] / base, 4),
+            "paper_marble_ratio_memory": 1.14}
+
+
+def bench_rewards(batch: int = 64) -> dict:
+    import torch
+
+    from core.rewards import available_rewards, make_reward
+
+    images = torch.rand(batch, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    ms = {}
+    for name in available_rewards():
+        try:
+            reward = make_reward(name)
+        except (TypeError, ValueError):
+            continue  # rewards that need weights or arguments are benchmarked elsewhere
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            reward(images, [""] * batch, [{}] * batch)
+            best = min(best, time.perf_counter() - t0)
+        ms[name] = round(best / batch * 1e3, 4)
+    return {"bench": "reward_speed", "ms_per_64px_image": ms, "target_ms": 1.0,
+            "ratio_worst_to_target": round(max(ms.values()) / 1.0, 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--only", nargs="*", choices=["step_time", "qp", "memory", "rewards"])
+    parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.memory_child:
+        _memory_child(args.memory_child, args.steps)
+        return 0
+    chosen = args.only or ["qp", "rewards", "step_time", "memory"]
+    runs = {"qp": bench_qp, "rewards": bench_rewards, "step_time": lambda: bench_step_time(args.steps),
+            "memory": lambda: bench_memory(min(args.steps, 12))}
+    for name in chosen:
+        print(json.dumps(runs[name]()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

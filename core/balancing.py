@@ -1,0 +1,692 @@
+"""Gradient balancing: the min-norm QP (spec §4) and the balancers a run picks by name (spec §4-§7).
+
+A balancer maps the K×K Gram matrix G_ij = g_i·g_j of the RAW per-reward gradients (plus its own
+explicit state, e.g. the EMA ᾱ) to K weights. It never calls backward: the trainer computes the
+gradients, asks :meth:`Balancer.needs_gradients`, and applies what :meth:`Balancer.balance` or
+:meth:`Balancer.advantage_weights` return.
+
+Symbols (spec): g_k per-reward gradient, ĝ_k = g_k/‖g_k‖, Ĝ the Gram matrix of the ĝ_k,
+α* = argmin_{α ∈ simplex} αᵀĜα, d* = Σ α*_k ĝ_k, d = d*·mean_k‖g_k‖, ᾱ the EMA of α* with factor ρ.
+
+cvxpy (≈2 s to import) is imported lazily on the first solve, so that listing balancers (config
+validation in the web process) stays cheap.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+
+from core.config import BalanceConfig
+
+GRAD_NORM_MIN = 1e-12
+"""A per-reward gradient with ‖g_k‖ <= this (or non-finite) is excluded from balancing (spec §4.2)."""
+SYMMETRY_RTOL = 1e-4
+"""Allowed max|G − Gᵀ| relative to max|G|. Loose on purpose: a Gram matrix of long float32 gradients is
+not exactly symmetric, while a matrix that is not a Gram matrix at all is off by O(1)."""
+PSD_RTOL = 1e-3
+"""Allowed negative eigenvalue of G relative to its largest diagonal entry (rounding of near-duplicate
+float32 gradients); the factorization clips such eigenvalues to 0."""
+RIDGE = 1e-12
+"""Ridge added to the scaled Gram matrix (max diagonal = 1) before its Cholesky factorization."""
+
+
+# ==== Gram matrix checks =============================================================================
+
+def _as_square_matrix(gram: Any, name: str = "gram") -> np.ndarray:
+    try:
+        G = np.array(gram, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name} must be a K×K array of numbers; could not convert it ({e})") from None
+    if G.ndim != 2 or G.shape[0] != G.shape[1] or G.shape[0] == 0:
+        raise ValueError(f"{name} must be a square K×K matrix with K >= 1; got shape {G.shape}")
+    return G
+
+
+def validate_gram(gram: Any, name: str = "gram") -> np.ndarray:
+    """A float64, exactly symmetrized copy of a Gram matrix, or ValueError saying which rule it breaks.
+
+    Rules: square K×K (K >= 1); every entry finite; symmetric within SYMMETRY_RTOL·max|G|;
+    positive semidefinite within PSD_RTOL·max diag (as every G = J Jᵀ is).
+    """
+    G = _as_square_matrix(gram, name)
+    if not np.isfinite(G).all():
+        bad = [tuple(int(i) for i in ij) for ij in np.argwhere(~np.isfinite(G))[:4]]
+        raise ValueError(f"{name} must be finite; found NaN/inf at entries {bad}")
+    scale = float(np.max(np.abs(G)))
+    asym = float(np.max(np.abs(G - G.T)))
+    if asym > SYMMETRY_RTOL * scale:
+        raise ValueError(f"{name} must be symmetric: max|G − Gᵀ| = {asym:.3g} exceeds "
+                         f"{SYMMETRY_RTOL:g}·max|G| = {SYMMETRY_RTOL * scale:.3g}")
+    G = 0.5 * (G + G.T)
+    diag_max = float(np.max(np.diag(G)))
+    min_eig = float(np.linalg.eigvalsh(G)[0]) if G.shape[0] > 1 else float(G[0, 0])
+    if min_eig < -PSD_RTOL * max(diag_max, 0.0) or diag_max < 0:
+        raise ValueError(f"{name} must be positive semidefinite (a Gram matrix J Jᵀ is): smallest eigenvalue "
+                         f"{min_eig:.3g} is below −{PSD_RTOL:g}·max diag = {-PSD_RTOL * max(diag_max, 0.0):.3g}")
+    return G
+
+
+def valid_gradients(gram: np.ndarray) -> np.ndarray:
+    """[K] bool: g_k is finite and ‖g_k‖ = sqrt(G_kk) > GRAD_NORM_MIN (spec §4.2).
+
+    A NaN gradient makes its whole row/column of G NaN; a reward is valid only if its diagonal entry
+    passes and its row is finite against the other candidates.
+    """
+    diag = np.diag(gram)
+    with np.errstate(invalid="ignore"):
+        valid = np.isfinite(diag) & (diag > GRAD_NORM_MIN ** 2)
+    for k in np.flatnonzero(valid):
+        if not np.isfinite(gram[k, valid]).all():
+            valid[k] = False
+    return valid
+
+
+# ==== independent numpy solver (fallback and test oracle) ============================================
+
+def project_to_simplex(v: Any) -> np.ndarray:
+    """Euclidean projection of v onto the probability simplex {α >= 0, Σα = 1} (sort-based, exact)."""
+    v = np.asarray(v, dtype=np.float64).reshape(-1)
+    if v.size == 0 or not np.isfinite(v).all():
+        raise ValueError(f"project_to_simplex needs a non-empty finite vector; got {v.tolist()}")
+    return _project_to_simplex(v)
+
+
+def _project_to_simplex(v: np.ndarray) -> np.ndarray:
+    u = np.sort(v)[::-1]
+    css = np.cumsum(u) - 1.0
+    ranks = np.arange(1, v.size + 1)
+    rho = np.flatnonzero(u - css / ranks > 0)[-1]
+    return np.maximum(v - css[rho] / (rho + 1), 0.0)
+
+
+def frank_wolfe_gap(gram: np.ndarray, alpha: np.ndarray) -> float:
+    """2·(αᵀGα − min_i (Gα)_i) >= f(α) − f*: a certificate of sub-optimality on the simplex."""
+    Ga = gram @ alpha
+    return float(2.0 * (alpha @ Ga - np.min(Ga)))
+
+
+def _fista_simplex(G: np.ndarray, iters: int, tol: float) -> np.ndarray:
+    """Accelerated projected gradient with function-value restart on min αᵀGα over the simplex,
+    stopped when the Frank–Wolfe gap is <= tol."""
+    K = G.shape[0]
+    step = 1.0 / (2.0 * float(np.linalg.eigvalsh(G)[-1]))
+    x = np.full(K, 1.0 / K)
+    y, fx, t = x.copy(), float(x @ G @ x), 1.0
+    for _ in range(iters):
+        Gx = G @ x
+        if 2.0 * (x @ Gx - Gx.min()) <= tol:
+            break
+        x_new = _project_to_simplex(y - step * 2.0 * (G @ y))
+        f_new = float(x_new @ G @ x_new)
+        if f_new > fx:              # momentum overshot: restart from the last iterate
+            y, t = x.copy(), 1.0
+            continue
+        t_new = 0.5 * (1.0 + np.sqrt(1.0 + 4.0 * t * t))
+        y = x_new + ((t - 1.0) / t_new) * (x_new - x)
+        x, fx, t = x_new, f_new, t_new
+    return x
+
+
+def _kkt_on_support(G: np.ndarray, support: np.ndarray) -> np.ndarray:
+    """α on ``support`` solving 2·G_SS α_S = λ·1, Σ α_S = 1 (least squares when G_SS is singular)."""
+    n = support.size
+    kkt = np.zeros((n + 1, n + 1))
+    kkt[:n, :n] = 2.0 * G[np.ix_(support, support)]
+    kkt[:n, n] = -1.0
+    kkt[n, :n] = 1.0
+    rhs = np.zeros(n + 1)
+    rhs[n] = 1.0
+    alpha = np.zeros(G.shape[0])
+    alpha[support] = np.linalg.lstsq(kkt, rhs, rcond=None)[0][:n]
+    return alpha
+
+
+def _active_set_polish(G: np.ndarray, alpha: np.ndarray, rounds: int) -> np.ndarray:
+    """Refine α to the exact optimum by a small primal active-set loop started from its support:
+    solve the KKT system on the support, drop a coordinate that went negative, add the coordinate
+    with the most negative reduced gradient, until the KKT conditions hold. Keeps the best α seen."""
+    best, best_gap = alpha, frank_wolfe_gap(G, alpha)
+    support = np.flatnonzero(alpha > 1e-9 * np.max(alpha))
+    for _ in range(rounds):
+        cand = _kkt_on_support(G, support)
+        if not np.isfinite(cand).all():
+            break
+        if cand[support].min() < 0:                       # infeasible: drop the most negative
+            support = support[support != support[np.argmin(cand[support])]]
+            if support.size == 0:
+                break
+            continue
+        gap = frank_wolfe_gap(G, cand)
+        if gap < best_gap:
+            best, best_gap = cand, gap
+        reduced = G @ cand
+        outside = np.setdiff1d(np.arange(G.shape[0]), support)
+        if outside.size == 0 or reduced[outside].min() >= reduced[support].max() - 1e-15:
+            break                                         # KKT holds: optimal
+        support = np.union1d(support, outside[np.argmin(reduced[outside])])
+    return best
+
+
+def projected_gradient_min_norm(gram: Any, iters: int = 2000, tol: float = 1e-8) -> np.ndarray:
+    """α* = argmin_{α >= 0, Σα = 1} αᵀGα with numpy only (the cvxpy fallback and the tests' oracle).
+
+    Accelerated projected gradient (FISTA with restart) on G scaled to max diagonal 1, run until the
+    Frank–Wolfe gap (an upper bound on f(α) − f*, in scaled units) is <= ``tol`` or ``iters`` steps,
+    then an active-set polish (exact KKT solves from the found support) that is kept only where it
+    lowers the gap; this reaches ~1e-15 on small K. A zero Gram matrix (every α optimal) returns the
+    uniform α.
+    """
+    G = validate_gram(gram)
+    K = G.shape[0]
+    scale = float(np.max(np.diag(G)))
+    if K == 1 or scale <= 0.0:
+        return np.full(K, 1.0 / K)
+    G = G / scale
+    alpha = _fista_simplex(G, iters, tol)
+    alpha = np.maximum(_active_set_polish(G, alpha, rounds=2 * K + 2), 0.0)
+    return alpha / alpha.sum()
+
+
+# ==== the cvxpy solve (DPP, compiled once per K) ====================================================
+
+@dataclass
+class MinNormSolution:
+    """Result of :func:`solve_min_norm`."""
+
+    alpha: np.ndarray
+    """[K] float64 α* on the simplex."""
+    status: str
+    """How it was solved, e.g. "cvxpy:OSQP:optimal", "projected_gradient(cvxpy:OSQP:infeasible)", "trivial:K=1"."""
+    seconds: float
+    """Wall time of the solve, validation included."""
+
+
+@dataclass
+class _MinNormProblem:
+    problem: Any     # cvxpy.Problem: min ‖Lᵀα‖² s.t. α >= 0, Σα = 1
+    factor: Any      # cvxpy.Parameter (K, K): L with L Lᵀ = G
+    alpha: Any       # cvxpy.Variable (K,)
+
+
+_PROBLEMS: dict[int, _MinNormProblem] = {}
+"""Compiled min-norm problems keyed by K (DPP: cvxpy compiles once, later solves only swap L)."""
+_PROBLEMS_LOCK = threading.Lock()
+_OSQP_OPTIONS = dict(eps_abs=1e-10, eps_rel=1e-10, polish=True, max_iter=50000)
+
+
+def _min_norm_problem(K: int) -> _MinNormProblem:
+    """The cached DPP problem for K rewards (built on first use). Call with _PROBLEMS_LOCK held."""
+    if K not in _PROBLEMS:
+        import cvxpy as cp
+
+        factor = cp.Parameter((K, K), name="L")
+        alpha = cp.Variable(K, name="alpha")
+        problem = cp.Problem(cp.Minimize(cp.sum_squares(factor.T @ alpha)), [alpha >= 0, cp.sum(alpha) == 1])
+        assert problem.is_dpp(), "the min-norm problem must be DPP to be compiled once"
+        _PROBLEMS[K] = _MinNormProblem(problem, factor, alpha)
+    return _PROBLEMS[K]
+
+
+def _gram_factor(G: np.ndarray) -> np.ndarray:
+    """L with L Lᵀ = G + RIDGE·I: Cholesky, or V·sqrt(max(w, 0) + RIDGE) from G = V diag(w) Vᵀ when G
+    is singular beyond what the ridge fixes (rank-deficient, duplicated gradients)."""
+    K = G.shape[0]
+    try:
+        return np.linalg.cholesky(G + RIDGE * np.eye(K))
+    except np.linalg.LinAlgError:
+        w, V = np.linalg.eigh(G)
+        return V * np.sqrt(np.maximum(w, 0.0) + RIDGE)
+
+
+def _solve_cvxpy(G: np.ndarray) -> tuple[np.ndarray | None, str]:
+    """(α, status) from the cached OSQP problem; α is None when the solve failed or is unusable."""
+    with _PROBLEMS_LOCK:
+        entry = _min_norm_problem(G.shape[0])
+        entry.factor.value = _gram_factor(G)
+        try:
+            with warnings.catch_warnings():   # "may be inaccurate": the status below says so
+                warnings.simplefilter("ignore")
+                entry.problem.solve(solver="OSQP", **_OSQP_OPTIONS)
+        except Exception as e:  # cvxpy.SolverError and friends: reported in the status, then fallback
+            return None, f"cvxpy:OSQP:error:{type(e).__name__}"
+        outcome, value = entry.problem.status, entry.alpha.value
+    status = f"cvxpy:OSQP:{outcome}"
+    if outcome != "optimal" or value is None or not np.isfinite(value).all():
+        return None, status
+    alpha = np.maximum(np.asarray(value, dtype=np.float64), 0.0)    # clip solver-tolerance negatives
+    total = alpha.sum()
+    if not total > 0:
+        return None, f"{status}:zero-sum"
+    return alpha / total, status
+
+
+def solve_min_norm(gram: Any) -> MinNormSolution:
+    """α* = argmin_{α >= 0, Σα = 1} αᵀGα (spec §4.3) with cvxpy/OSQP on a DPP problem cached per K.
+
+    G is scaled to max diagonal 1 first (α* does not change). K = 1 returns [1] without solving; a zero
+    G (every α optimal) returns the uniform α. When cvxpy fails or returns a non-finite/non-optimal
+    answer, :func:`projected_gradient_min_norm` solves it and the status says
+    "projected_gradient(<cvxpy status>)". Raises ValueError for a non-square, non-finite, asymmetric
+    or indefinite G.
+    """
+    start = time.perf_counter()
+    G = validate_gram(gram)
+    K = G.shape[0]
+    scale = float(np.max(np.diag(G)))
+    if K == 1:
+        return MinNormSolution(np.ones(1), "trivial:K=1", time.perf_counter() - start)
+    if scale <= 0.0:
+        return MinNormSolution(np.full(K, 1.0 / K), "trivial:zero-gram", time.perf_counter() - start)
+    G = G / scale
+    alpha, status = _solve_cvxpy(G)
+    if alpha is None:
+        alpha, status = projected_gradient_min_norm(G), f"projected_gradient({status})"
+    return MinNormSolution(alpha, status, time.perf_counter() - start)
+
+
+def min_norm_weights(gram: Any) -> np.ndarray:
+    """α* of :func:`solve_min_norm`."""
+    return solve_min_norm(gram).alpha
+
+
+# ==== balancers ====================================================================================
+
+@dataclass
+class BalanceDecision:
+    """What one full step decided (spec §4); all arrays are [K] float64 (``valid`` bool)."""
+
+    alpha_raw: np.ndarray
+    """α* of this solve, on the simplex over the valid rewards, 0 for excluded ones."""
+    alpha_ema: np.ndarray
+    """ᾱ after this update: what the amortized steps use next."""
+    grad_weights: np.ndarray
+    """c_k such that the update direction is d = Σ_k c_k g_k on the RAW gradients."""
+    valid: np.ndarray
+    """Finite gradient with ‖g_k‖ > GRAD_NORM_MIN."""
+    solver: str
+    """e.g. "cvxpy:OSQP:optimal", "single-valid", "no-valid", "fixed"."""
+
+
+def _check_reward_names(reward_names: Sequence[str]) -> list[str]:
+    names = list(reward_names) if not isinstance(reward_names, str) else [reward_names]
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"reward_names must be a non-empty list of names; got {reward_names!r}")
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"reward_names must be distinct; repeated: {', '.join(dupes)}")
+    return names
+
+
+def _check_reward_weights(reward_weights: Sequence[float] | None, K: int) -> np.ndarray:
+    if reward_weights is None:
+        return np.ones(K)
+    w = np.asarray(reward_weights, dtype=np.float64).reshape(-1)
+    if w.size != K or not np.isfinite(w).all() or (w < 0).any():
+        raise ValueError(f"reward_weights must be {K} finite numbers >= 0 (one per reward); "
+                         f"got {list(reward_weights)}")
+    return w
+
+
+def _check_step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"step={step!r}: must be an integer >= 0")
+    return int(step)
+
+
+def _uniform(K: int) -> np.ndarray:
+    return np.full(K, 1.0 / K)
+
+
+class Balancer(abc.ABC):
+    """Base class: Gram matrix of raw per-reward gradients (+ explicit state) → K weights.
+
+    Subclasses set ``name`` and ``description`` and implement :meth:`advantage_weights`. The default
+    :meth:`balance` is the fixed-α one (diagnostics only: alpha_raw = alpha_ema = grad_weights = α,
+    solver "fixed"); stateful balancers extend :meth:`state_dict` / :meth:`load_state_dict`.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    scalarize: ClassVar[bool] = False
+    """True only for weighted_sum: the rewards are combined into one scalar BEFORE the advantage."""
+
+    def __init__(self, reward_names: list[str], config: BalanceConfig,
+                 reward_weights: list[float] | None = None):
+        self.reward_names = _check_reward_names(reward_names)
+        config.validate(self.reward_names)
+        self.config = config
+        self.reward_weights = _check_reward_weights(reward_weights, self.num_rewards)
+
+    @property
+    def num_rewards(self) -> int:
+        """K."""
+        return len(self.reward_names)
+
+    def needs_gradients(self, step: int) -> bool:
+        """Must this step compute the K per-reward gradients to decide its update? (MARBLE full steps.)"""
+        _check_step(step)
+        return False
+
+    @abc.abstractmethod
+    def advantage_weights(self, step: int) -> np.ndarray:
+        """[K] coefficients on the simplex combining the per-reward advantages in one backward (spec §5)."""
+
+    def balance(self, gram: np.ndarray, step: int) -> BalanceDecision:
+        """Fixed-α decision for diagnostics: alpha_raw = alpha_ema = grad_weights = α, solver "fixed"."""
+        G = self._check_gram(gram)
+        alpha = self.advantage_weights(step)
+        return BalanceDecision(alpha.copy(), alpha.copy(), alpha.copy(), valid_gradients(G), "fixed")
+
+    def state_dict(self) -> dict:
+        """JSON-serializable state (identity only for stateless balancers)."""
+        return {"balancer": self.name, "reward_names": list(self.reward_names)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; ValueError if it was saved by another balancer or reward set."""
+        if not isinstance(state, dict):
+            raise ValueError(f"balancer state must be a dict from state_dict(); got {type(state).__name__}")
+        if state.get("balancer") != self.name:
+            raise ValueError(f"balancer state was saved by {state.get('balancer')!r}, "
+                             f"cannot load it into {self.name!r}")
+        if list(state.get("reward_names", [])) != self.reward_names:
+            raise ValueError(f"balancer state is for rewards {state.get('reward_names')!r}; "
+                             f"this run has {self.reward_names!r}")
+
+    def _check_gram(self, gram: Any) -> np.ndarray:
+        G = _as_square_matrix(gram)
+        if G.shape[0] != self.num_rewards:
+            raise ValueError(f"gram must be K×K with K = {self.num_rewards} rewards "
+                             f"({', '.join(self.reward_names)}); got shape {G.shape}")
+        return G
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, rewards={self.reward_names!r})"
+
+
+_BALANCERS: dict[str, type[Balancer]] = {}
+
+
+def register_balancer(cls: type[Balancer]) -> type[Balancer]:
+    """Class decorator: make ``cls`` available by ``cls.name`` (which must be new and non-empty)."""
+    if not cls.name or not cls.description:
+        raise ValueError(f"{cls.__name__} needs a non-empty class attribute `name` and `description`")
+    if cls.name in _BALANCERS and _BALANCERS[cls.name] is not cls:
+        raise ValueError(f"balancer name {cls.name!r} is already registered by {_BALANCERS[cls.name].__name__}")
+    _BALANCERS[cls.name] = cls
+    return cls
+
+
+def available_balancers() -> dict[str, str]:
+    """Registered balancer name → one-line description."""
+    return {name: cls.description for name, cls in _BALANCERS.items()}
+
+
+def make_balancer(name: str, reward_names: list[str], config: BalanceConfig,
+                  reward_weights: list[float] | None = None) -> Balancer:
+    """Build the balancer registered as ``name``; ValueError listing the valid choices otherwise."""
+    if name not in _BALANCERS:
+        raise ValueError(f"balancer {name!r} is unknown; valid choices: {', '.join(sorted(_BALANCERS))}")
+    return _BALANCERS[name](reward_names, config, reward_weights)
+
+
+# ---- MARBLE ---------------------------------------------------------------------------------------
+
+@register_balancer
+class MarbleBalancer(Balancer):
+    """MARBLE (spec §4-§6): min-norm α* on the normalized Gram every N steps, EMA ᾱ in between.
+
+    State: ᾱ (``alpha_ema``, None before the first solve), ``last_full_step``, ``num_solves``.
+    """
+
+    name = "marble"
+    description = "MARBLE: min-norm QP on normalized per-reward gradients every N steps, EMA ᾱ in between"
+
+    def __init__(self, reward_names: list[str], config: BalanceConfig,
+                 reward_weights: list[float] | None = None):
+        super().__init__(reward_names, config, reward_weights)
+        self.alpha_ema: np.ndarray | None = None
+        self.last_full_step: int | None = None
+        self.num_solves = 0
+
+    # -- schedule (spec §5) --
+    def needs_gradients(self, step: int) -> bool:
+        """Full step when step < warmup_steps, before the first solve, or N = refresh_every steps after
+        the last full step."""
+        step = _check_step(step)
+        return (step < self.config.warmup_steps or self.last_full_step is None
+                or step - self.last_full_step >= self.config.refresh_every)
+
+    def advantage_weights(self, step: int) -> np.ndarray:
+        """ᾱ (uniform 1/K before the first solve)."""
+        _check_step(step)
+        return _uniform(self.num_rewards) if self.alpha_ema is None else self.alpha_ema.copy()
+
+    # -- one full step (spec §4) --
+    def balance(self, gram: np.ndarray, step: int) -> BalanceDecision:
+        step = _check_step(step)
+        G = self._check_gram(gram)
+        valid = valid_gradients(G)
+        alpha_raw, grad_weights, solver = self._harmonize(G, valid)
+        self._update_ema(alpha_raw, solver)
+        self.last_full_step = step
+        self.num_solves += 1
+        return BalanceDecision(alpha_raw, self.advantage_weights(step), grad_weights, valid, solver)
+
+    def _harmonize(self, G: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
+        """(α*, c, solver) with d = Σ c_k g_k; invalid rewards get α*_k = c_k = 0."""
+        K = self.num_rewards
+        alpha, weights = np.zeros(K), np.zeros(K)
+        idx = np.flatnonzero(valid)
+        if idx.size == 0:
+            return alpha, weights, "no-valid"
+        if idx.size == 1:                              # one valid gradient: used raw
+            alpha[idx], weights[idx] = 1.0, 1.0
+            return alpha, weights, "single-valid"
+        G_valid = G[np.ix_(idx, idx)]
+        norms = np.sqrt(np.diag(G_valid))              # ‖g_k‖
+        if self.config.normalize:
+            G_hat = G_valid / np.outer(norms, norms)   # Ĝ_ij = ĝ_i·ĝ_j
+            w, solver = self._solve_weights(G_hat)
+            weights[idx] = w * norms.mean() / norms    # d = Σ w_k ĝ_k · mean‖g‖
+        else:                                          # ablation: raw scale decides α
+            w, solver = self._solve_weights(G_valid)
+            weights[idx] = w
+        alpha[idx] = w / w.sum()
+        return alpha, weights, solver
+
+    def _solve_weights(self, gram: np.ndarray) -> tuple[np.ndarray, str]:
+        """Weights w on the (normalized) valid gradients; here the min-norm α* (sums to 1)."""
+        sol = solve_min_norm(gram)
+        return sol.alpha, sol.status
+
+    def _update_ema(self, alpha_raw: np.ndarray, solver: str) -> None:
+        """ᾱ ← ρ·ᾱ + (1 − ρ)·α* (spec §6); the first solve sets ᾱ = α*; "no-valid" leaves ᾱ as is."""
+        if solver == "no-valid":
+            return
+        if self.alpha_ema is None:
+            self.alpha_ema = alpha_raw.copy()
+        else:
+            rho = float(self.config.ema_rho)
+            self.alpha_ema = rho * self.alpha_ema + (1.0 - rho) * alpha_raw
+
+    # -- state --
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.update(alpha_ema=None if self.alpha_ema is None else [float(a) for a in self.alpha_ema],
+                     last_full_step=self.last_full_step, num_solves=self.num_solves)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        alpha = state.get("alpha_ema")
+        if alpha is not None:
+            alpha = np.asarray(alpha, dtype=np.float64).reshape(-1)
+            if (alpha.size != self.num_rewards or not np.isfinite(alpha).all() or (alpha < 0).any()
+                    or abs(alpha.sum() - 1.0) > 1e-6):
+                raise ValueError(f"alpha_ema must be {self.num_rewards} numbers >= 0 summing to 1; "
+                                 f"got {state.get('alpha_ema')!r}")
+        last = state.get("last_full_step")
+        if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < 0):
+            raise ValueError(f"last_full_step must be null or an integer >= 0; got {last!r}")
+        solves = state.get("num_solves", 0)
+        if isinstance(solves, bool) or not isinstance(solves, int) or solves < 0:
+            raise ValueError(f"num_solves must be an integer >= 0; got {solves!r}")
+        self.alpha_ema, self.last_full_step, self.num_solves = alpha, last, solves
+
+
+@register_balancer
+class MarbleFullBalancer(MarbleBalancer):
+    """MARBLE without amortization: the QP is solved on every step (spec §7 ablation)."""
+
+    name = "marble_full"
+    description = "MARBLE solving the QP on every step (no amortization; K+1 backward passes per step)"
+
+    def needs_gradients(self, step: int) -> bool:
+        _check_step(step)
+        return True
+
+
+# ---- fixed-α baselines (spec §7) --------------------------------------------------------------------
+
+@register_balancer
+class WeightedSumBalancer(Balancer):
+    """Weighted-sum baseline: one scalar reward Σ w_k R_k (NaN-aware mean), one advantage.
+
+    ``scalarize`` tells the trainer to combine the rewards before the advantage
+    (:func:`core.advantages.weighted_sum_rewards`). :meth:`advantage_weights` is informational (w / Σw);
+    :meth:`balance` returns the "fixed" decision with α = w / Σw for diagnostics only — the true
+    weighted-sum update is the gradient of the scalar-advantage loss, which the trainer measures itself.
+    """
+
+    name = "weighted_sum"
+    description = "Weighted-sum baseline: one scalar reward Σ w_k R_k, one advantage (DiffusionNFT default)"
+    scalarize = True
+
+    def __init__(self, reward_names: list[str], config: BalanceConfig,
+                 reward_weights: list[float] | None = None):
+        super().__init__(reward_names, config, reward_weights)
+        if not self.reward_weights.sum() > 0:
+            raise ValueError(f"weighted_sum needs at least one reward weight > 0; "
+                             f"got {self.reward_weights.tolist()}")
+
+    def advantage_weights(self, step: int) -> np.ndarray:
+        _check_step(step)
+        return self.reward_weights / self.reward_weights.sum()
+
+
+@register_balancer
+class EqualBalancer(Balancer):
+    """Per-reward advantages mixed with fixed α = 1/K (no QP)."""
+
+    name = "equal"
+    description = "Per-reward advantages mixed with fixed equal α = 1/K (no QP)"
+
+    def advantage_weights(self, step: int) -> np.ndarray:
+        _check_step(step)
+        return _uniform(self.num_rewards)
+
+
+@register_balancer
+class SingleBalancer(Balancer):
+    """Specialist baseline: α one-hot on ``config.single_reward``."""
+
+    name = "single"
+    description = "Single-reward specialist: α one-hot on balance.single_reward"
+
+    def __init__(self, reward_names: list[str], config: BalanceConfig,
+                 reward_weights: list[float] | None = None):
+        super().__init__(reward_names, config, reward_weights)
+        if config.single_reward not in self.reward_names:
+            raise ValueError(f"balance.single_reward={config.single_reward!r}: strategy 'single' needs one of "
+                             f"the run's rewards: {', '.join(self.reward_names)}")
+        self.index = self.reward_names.index(config.single_reward)
+
+    def advantage_weights(self, step: int) -> np.ndarray:
+        _check_step(step)
+        alpha = np.zeros(self.num_rewards)
+        alpha[self.index] = 1.0
+        return alpha
+
+
+@register_balancer
+class SequentialBalancer(Balancer):
+    """Sequential baseline: stage i trains on its rewards (α uniform over them) for its steps; after the
+    last stage ends, the last stage continues."""
+
+    name = "sequential"
+    description = "Sequential stages: each trains on a subset of rewards for a number of steps"
+
+    def __init__(self, reward_names: list[str], config: BalanceConfig,
+                 reward_weights: list[float] | None = None):
+        super().__init__(reward_names, config, reward_weights)
+        if not config.stages:
+            raise ValueError("balance.stages=[]: strategy 'sequential' needs at least one stage")
+        self.stage_ends = np.cumsum([st.steps for st in config.stages])   # exclusive end step of each stage
+
+    def current_stage(self, step: int) -> int:
+        """Index of the stage that step belongs to (the last stage after the schedule ends)."""
+        step = _check_step(step)
+        return min(int(np.searchsorted(self.stage_ends, step, side="right")), len(self.stage_ends) - 1)
+
+    def advantage_weights(self, step: int) -> np.ndarray:
+        rewards = self.config.stages[self.current_stage(step)].rewards
+        alpha = np.array([1.0 if name in rewards else 0.0 for name in self.reward_names])
+        return alpha / alpha.sum()
+
+
+# ---- optional: torchjd Gramian weightings with MARBLE's schedule -------------------------------------
+
+def _torchjd_available() -> bool:
+    """torchjd with its quadprog projector extra (``torchjd[quadprog-projector]``), found without importing."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("torchjd", "qpsolvers", "quadprog"))
+
+
+class TorchJDBalancer(MarbleBalancer):
+    """MARBLE's schedule, EMA and normalization with another Gramian weighting from torchjd in place of
+    the min-norm QP (spec §4.3 swapped). The weighting's raw weights w on the normalized gradients give
+    grad_weights c_k = w_k · mean‖g‖/‖g_k‖ (c = w with ``normalize=False``) and α = w / Σw feeds the EMA
+    for the amortized steps. If torchjd fails on a Gram matrix, the min-norm α* is used and the solver
+    status says "min-norm(torchjd:<Weighting>:error:<Exception>)".
+    """
+
+    weighting: ClassVar[str] = ""
+    """Class name in ``torchjd.aggregation`` of a Weighting whose weights are >= 0 with a positive sum."""
+
+    def _solve_weights(self, gram: np.ndarray) -> tuple[np.ndarray, str]:
+        import torch
+        from torchjd import aggregation
+
+        status = f"torchjd:{self.weighting}"
+        try:
+            w = getattr(aggregation, self.weighting)()(torch.as_tensor(gram, dtype=torch.float64))
+            w = w.detach().cpu().numpy().astype(np.float64)
+            if not (np.isfinite(w).all() and (w >= 0).all() and w.sum() > 0):
+                raise ValueError(f"weights {w.tolist()} are not finite, >= 0 with a positive sum")
+        except Exception as e:  # quadprog failures and friends: reported in the status, then min-norm
+            sol = solve_min_norm(gram)
+            return sol.alpha, f"min-norm({status}:error:{type(e).__name__})"
+        return w, status
+
+
+if _torchjd_available():
+
+    @register_balancer
+    class UPGradBalancer(TorchJDBalancer):
+        name = "upgrad"
+        description = "UPGrad (torchjd) weights on normalized gradients, with MARBLE's schedule and EMA"
+        weighting = "UPGradWeighting"
+
+    @register_balancer
+    class DualProjBalancer(TorchJDBalancer):
+        name = "dualproj"
+        description = "DualProj (torchjd) weights on normalized gradients, with MARBLE's schedule and EMA"
+        weighting = "DualProjWeighting"
