@@ -9,5 +9,7 @@ them inside their factory.
 
 from core.rewards.base import Reward, available_rewards, make_reward, register_reward
 from core.rewards import image_stats  # noqa: F401,E402  (registers the weight-free rewards)
+# model-based rewards (weights from a local path or the HF cache) and the HTTP reward
+from core.rewards import remote  # noqa: F401,E402
 
 __all__ = ["Reward", "available_rewards", "make_reward", "register_reward"]
