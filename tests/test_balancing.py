@@ -194,26 +194,30 @@ def test_compiled_problem_is_cached_once_per_k():
     rng = np.random.default_rng(6)
     min_norm_weights(gram(rng.normal(size=(5, 5))))
     entry = balancing._PROBLEMS[5]
-    program = entry.problem._cache.param_prog                   # cvxpy's compiled DPP program
-    assert program is not None
+    workspace, before = entry.solver, entry.solves
     for _ in range(5):
-        sol = solve_min_norm(gram(rng.normal(size=(5, 5))))
+        G = gram(rng.normal(size=(5, 5)))
+        sol = solve_min_norm(G)
         assert sol.status == "cvxpy:OSQP:optimal"
-    assert balancing._PROBLEMS[5] is entry
-    assert entry.problem._cache.param_prog is program           # no recompilation
+        oracle = projected_gradient_min_norm(G)
+        assert sol.alpha @ G @ sol.alpha <= oracle @ G @ oracle + 1e-9 * np.max(np.diag(G))
+    assert balancing._PROBLEMS[5] is entry and entry.solver is workspace  # no recompilation
+    assert entry.solves == before + 5
     assert list(balancing._PROBLEMS).count(5) == 1
 
 
-def test_cvxpy_failure_falls_back_to_the_oracle(monkeypatch):
-    import cvxpy as cp
-
-    def broken_solve(self, *args, **kwargs):
-        raise cp.error.SolverError("simulated")
-
+def test_solver_failure_falls_back_to_the_oracle(monkeypatch):
     G = gram(np.random.default_rng(7).normal(size=(3, 4)))
-    monkeypatch.setattr(cp.Problem, "solve", broken_solve)
+    min_norm_weights(G)  # compile K = 3
+    entry = balancing._PROBLEMS[3]
+
+    class BrokenWorkspace:
+        def update(self, **kwargs):
+            raise ValueError("simulated")
+
+    monkeypatch.setattr(entry, "solver", BrokenWorkspace())
     sol = solve_min_norm(G)
-    assert sol.status == "projected_gradient(cvxpy:OSQP:error:SolverError)"
+    assert sol.status == "projected_gradient(cvxpy:OSQP:error:ValueError)"
     np.testing.assert_allclose(sol.alpha, projected_gradient_min_norm(G), atol=1e-12)
 
 
