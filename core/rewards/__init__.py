@@ -10,6 +10,10 @@ them inside their factory.
 from core.rewards.base import Reward, available_rewards, make_reward, register_reward
 from core.rewards import image_stats  # noqa: F401,E402  (registers the weight-free rewards)
 # model-based rewards (weights from a local path or the HF cache) and the HTTP reward
-from core.rewards import remote  # noqa: F401,E402
+from core.rewards import clip_rewards, geneval, imagereward, remote  # noqa: F401,E402
 
-__all__ = ["Reward", "available_rewards", "make_reward", "register_reward"]
+EXTERNAL_REWARDS = ("aesthetic", "clipscore", "geneval", "hpsv2", "imagereward", "pickscore", "remote")
+"""Rewards that need model weights (local path / HF cache) or a server: they cannot be built offline from
+their defaults alone (tests/test_reward_models.py and tests/test_remote_reward.py build them on tiny models)."""
+
+__all__ = ["EXTERNAL_REWARDS", "Reward", "available_rewards", "make_reward", "register_reward"]
