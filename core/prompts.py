@@ -142,3 +142,8 @@ class PromptSampler:
             idx = rng.choice(len(pool), size=c, replace=c > len(pool))
             out.extend(pool[i] for i in idx)
         return out
+
+
+# The built-in mini world's sources (world-general, world-color, world-count, world-position) register
+# themselves on import; imported last because they use this module's PromptItem and register_source.
+import core.world.prompts  # noqa: E402,F401

@@ -1,0 +1,73 @@
+"""Rewards of the built-in mini world: GenEval-like checks done with image analysis (core.world.checker).
+
+Specialist rewards apply only to their own task and return NaN elsewhere (spec §3), and give graded
+partial credit, because pass/fail rewards on hard prompts are mostly all-zero within a group and then
+carry no advantage signal (ENV_NOTES):
+
+    color_fidelity    world-color prompts     each requested (colour, shape) object present
+    count_accuracy    world-count prompts     soft count of objects of the colour vs the number asked
+    spatial_relation  world-position prompts  both objects present and the relation between them
+    world_geneval     every world prompt      strict pass/fail of the whole prompt (for evaluation)
+
+A prompt applies when its metadata carries the world spec (``task`` and ``objects``), whatever the
+source is called, so the rewards also work on ``file:`` prompt sets that carry the same metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from core.rewards.base import Reward, register_reward
+
+
+class WorldReward(Reward):
+    """Runs the checker on every image whose metadata is a spec of one of ``tasks``; NaN on the rest."""
+
+    def __init__(self, tasks: tuple[str, ...], strict: bool = False):
+        self.tasks = tasks
+        self.strict = strict
+
+    def applies(self, meta: Mapping[str, Any]) -> bool:
+        return meta.get("task") in self.tasks and isinstance(meta.get("objects"), list)
+
+    def score(self, images, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]):
+        import numpy as np
+        import torch
+
+        from core.world.checker import GRADERS, detect, geneval_pass
+
+        out = torch.full((len(prompts),), float("nan"))
+        todo = [i for i, m in enumerate(metadata) if self.applies(m)]
+        if not todo:
+            return out
+        arr = (images[todo].permute(0, 2, 3, 1).cpu().numpy() * 255.0).round().astype(np.uint8)
+        for row, i in enumerate(todo):
+            spec = metadata[i]
+            dets = detect(arr[row])
+            out[i] = float(geneval_pass(spec, dets)) if self.strict else GRADERS[spec["task"]](spec, dets)
+        return out
+
+
+@register_reward("color_fidelity", "Mini world, colour prompts only: each requested colour-and-shape object "
+                                   "present (graded, 0-1; NaN on other prompts)")
+def color_fidelity() -> Reward:
+    return WorldReward(("color",))
+
+
+@register_reward("count_accuracy", "Mini world, count prompts only: exp(-|soft count of the colour - n|), "
+                                   "with a little shape credit (0-1; NaN on other prompts)")
+def count_accuracy() -> Reward:
+    return WorldReward(("count",))
+
+
+@register_reward("spatial_relation", "Mini world, position prompts only: both objects present and their "
+                                     "relation, graded by the centre margin (0-1; NaN on other prompts)")
+def spatial_relation() -> Reward:
+    return WorldReward(("position",))
+
+
+@register_reward("world_geneval", "Mini world, every world prompt: strict pass/fail of the whole prompt "
+                                  "(GenEval-style, 0 or 1; NaN on prompts without a world spec)")
+def world_geneval() -> Reward:
+    return WorldReward(("single", "color", "count", "position"), strict=True)
