@@ -1,0 +1,147 @@
+"""The database schema (SQLAlchemy Core). Alembic migrations in jobs/migrations/ create it; a test checks
+that the migrations and these tables agree.
+
+Times are UNIX seconds (float): portable between SQLite and PostgreSQL and compared against
+``time.time()`` for heartbeats. Per-step tables use the primary key (run_id, step, ...), whose leading
+columns are the (run_id, step) index that incremental reads (``since_step``) scan; the key also makes a
+duplicated step impossible.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (JSON, BigInteger, Boolean, Column, Float, ForeignKey, Index, Integer, MetaData, String,
+                        Table, Text, UniqueConstraint)
+
+# The job states (huey-style: a small fixed set). queued -> running -> one of the final states.
+QUEUED = "queued"
+RUNNING = "running"
+SUCCEEDED = "succeeded"
+FAILED = "failed"
+CANCELLED = "cancelled"
+INTERRUPTED = "interrupted"
+STATUSES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED, INTERRUPTED)
+ACTIVE = (QUEUED, RUNNING)
+FINAL = (SUCCEEDED, FAILED, CANCELLED, INTERRUPTED)
+RESUMABLE = (FAILED, CANCELLED, INTERRUPTED)
+
+metadata = MetaData(naming_convention={
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+})
+
+runs = Table(
+    "runs", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("name", String(200)),
+    Column("status", String(16), nullable=False),
+    Column("preset", String(100)),  # the preset the config started from, if any
+    Column("strategy", String(64), nullable=False),
+    Column("config", JSON, nullable=False),  # TrainConfig.to_dict(), what the job trains
+    Column("code_version", String(100)),  # `git describe` of the code that submitted it
+    Column("run_dir", String(1000), nullable=False),  # relative to the data directory
+    Column("total_steps", Integer, nullable=False),
+    Column("step", Integer, nullable=False, default=0),  # completed steps stored so far
+    Column("headline", JSON),  # the latest mean reward per reward name
+    Column("seconds_per_step", Float),  # wall seconds per step in the current attempt (for the ETA)
+    Column("device", String(64)),
+    Column("num_processes", Integer, nullable=False, default=1),  # > 1: launched with torchrun
+    Column("num_nodes", Integer, nullable=False, default=1),
+    Column("attempt", Integer, nullable=False, default=0),  # 1 on the first start, +1 per resume
+    Column("created_at", Float, nullable=False),
+    Column("started_at", Float),
+    Column("finished_at", Float),
+    Column("heartbeat_at", Float),
+    # the job's process: pgid is set only when the job has its own process group (never in immediate
+    # mode), so signals never reach the caller's group; proc_key = boot id + start time guards pid reuse
+    Column("pid", Integer),
+    Column("pgid", Integer),
+    Column("host", String(255)),
+    Column("proc_key", String(100)),
+    Column("devices", String(100)),  # CUDA_VISIBLE_DEVICES given to the job
+    Column("cancel_requested", Boolean, nullable=False, default=False),  # the cooperative stop flag
+    Column("cancel_requested_at", Float),
+    Column("exit_code", Integer),
+    Column("error", Text),  # failed / interrupted: what went wrong, shown verbatim
+    Index(None, "status"),
+)
+
+metrics = Table(  # long form: one row per (step, key); value NULL where not applicable (NaN)
+    "metrics", metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("key", String(128), primary_key=True),  # "loss", "reward/colorfulness", "alpha/brightness", ...
+    Column("value", Float),
+)
+
+steps = Table(  # one row per optimizer step: what is not a number
+    "steps", metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("phase", String(16), nullable=False),  # full / diagnostic / amortized
+    Column("stage", Integer),
+    Column("at", Float, nullable=False),
+)
+
+balance = Table(  # per-reward gradient diagnostics of full and diagnostic steps
+    "balance", metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("phase", String(16), nullable=False),
+    Column("solver", String(64)),
+    Column("alpha_raw", JSON),  # α* of this solve, by reward name
+    Column("alpha_ema", JSON),  # ᾱ after it
+    Column("cosine", JSON),  # {"names": [...], "matrix": [[...]]}, null where a gradient is invalid
+    Column("cos_to_update", JSON),
+    Column("grad_norms", JSON),
+    Column("valid", JSON),
+    Column("update_norm", Float),
+    Column("solve_seconds", Float),
+)
+
+samples = Table(
+    "samples", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("step", Integer, nullable=False),
+    Column("idx", Integer, nullable=False),  # position in the step's batch
+    Column("prompt", Text, nullable=False),
+    Column("source", String(200)),
+    Column("seed", BigInteger),
+    Column("group_id", Integer),  # the prompt group of the advantage
+    Column("path", String(1000), nullable=False),  # image, relative to the run folder
+    Column("rewards", JSON),
+    Column("advantages", JSON),
+    UniqueConstraint("run_id", "step", "idx"),
+)
+
+checkpoints = Table(
+    "checkpoints", metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("path", String(1000), nullable=False),  # relative to the run folder
+    Column("created_at", Float, nullable=False),
+)
+
+evaluations = Table(  # filled by the evaluation issue: held-out scores of a run's checkpoint
+    "evaluations", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("checkpoint_step", Integer),
+    Column("name", String(200), nullable=False),  # e.g. the prompt set
+    Column("scores", JSON, nullable=False),  # {reward name: mean score}
+    Column("details", JSON),
+    Column("created_at", Float, nullable=False),
+    Index(None, "run_id", "checkpoint_step"),
+)
+
+comparisons = Table(  # filled by the comparison issue: several runs side by side
+    "comparisons", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("name", String(200), nullable=False),
+    Column("run_ids", JSON, nullable=False),
+    Column("settings", JSON),
+    Column("result", JSON),
+    Column("created_at", Float, nullable=False),
+)
