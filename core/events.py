@@ -37,8 +37,9 @@ class StartEvent(Event):
     reward_names: list[str]
     strategy: str
     trainable_parameters: int
-    device: str
+    device: str  # rank 0's device under torchrun
     resumed_from: str | None = None
+    world_size: int = 1  # processes training together (torchrun); 1 = a plain single-process run
 
 
 @dataclass

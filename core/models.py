@@ -220,6 +220,9 @@ class Policy:
         # θ_old starts as θ; a plain tensor dict, applied with functional_call.
         self.old: dict[str, torch.Tensor] = {n: p.detach().clone() for n, p in self.named_trainable.items()}
         self.num_trainable = sum(p.numel() for p in self.named_trainable.values())
+        # What v_θ runs through: the transformer, or its DistributedDataParallel wrapper under torchrun
+        # (set by the trainer), so that DDP sees the graphs it reduces.
+        self.train_module: torch.nn.Module = self.transformer
 
     # -- parameters --
     @property
@@ -233,21 +236,22 @@ class Policy:
             self.old[name].lerp_(p.detach(), 1.0 - eta)
 
     # -- predictions --
-    def _call(self, inp: VelocityInputs, params: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    def _call(self, inp: VelocityInputs, params: dict[str, torch.Tensor] | None,
+              module: torch.nn.Module | None = None) -> torch.Tensor:
         kwargs = dict(hidden_states=inp.x.to(self.compute_dtype), timestep=inp.sigma * 1000.0,
                       encoder_hidden_states=inp.prompt_embeds.to(self.compute_dtype),
                       pooled_projections=inp.pooled.to(self.compute_dtype), return_dict=False)
         autocast = self.compute_dtype != torch.float32
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
             if params is None:
-                out = self.transformer(**kwargs)[0]
+                out = (self.transformer if module is None else module)(**kwargs)[0]
             else:
                 out = torch.func.functional_call(self.transformer, params, args=(), kwargs=kwargs, strict=False)[0]
         return out.float()
 
     def velocity(self, inp: VelocityInputs) -> torch.Tensor:
         """v_θ, differentiable in the LoRA parameters."""
-        return self._call(inp, None)
+        return self._call(inp, None, self.train_module)
 
     @torch.no_grad()
     def velocity_old(self, inp: VelocityInputs) -> torch.Tensor:

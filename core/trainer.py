@@ -7,7 +7,12 @@ Per step:  rollout (old adapter) -> rewards R [B, K] -> per-reward advantages A 
      amortized unit: one backward of Σ_k ᾱ_k ℓ_k + λ_KL·KL                   (§5, single-reward cost)
 -> clip, AdamW, θ_old ← η·θ_old + (1-η)·θ.
 The trainer knows nothing about storage: it emits events (core.events) and checks ``should_stop``.
-Every random draw of step s comes from (seed, s), which makes resume exact.
+Every random draw of step s comes from (seed, s) — per sample from (seed, s, global sample index) —
+which makes resume exact and a W-process step equal to a 1-process step on the same global batch.
+
+Under torchrun (core.distributed, spec §9) each process rolls out, scores and trains B/W samples; R is
+gathered so the advantages see the whole batch; per-reward gradients are computed under DDP's no_sync()
+and all-reduced together once; ordinary backward passes are DDP's. Rank 0 alone emits events and writes.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ import torch
 from core.advantages import per_reward_advantages, weighted_sum_rewards
 from core.balancing import make_balancer
 from core.config import TrainConfig
+from core.distributed import check_batch_split, setup as setup_distributed
 from core.events import (BalanceEvent, CheckpointEvent, EndEvent, Event, SampleEvent, StartEvent, StepEvent)
 from core.loss import advantage_to_r, combined_objective, kl_loss, nft_loss_terms, per_reward_objectives
-from core.models import Policy, VelocityInputs, load_pipeline, resolve_device
+from core.models import Policy, VelocityInputs, load_pipeline
 from core.prompts import PromptSampler
 from core.rewards import make_reward
 from core.sampling import Rollout, decode_latents, encode_prompts, generate_latents, sampler_sigmas
@@ -53,8 +59,23 @@ class TrainResult:
     last_checkpoint: Path | None
 
 
-def _step_seed(seed: int, step: int) -> int:
-    return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
+# Independent random streams of a step beyond its rollout (which draws from default_rng([seed, step])).
+_ORDER, _TIMESTEPS, _NOISE = 0, 1, 2
+
+
+def _generator(*keys: int) -> torch.Generator:
+    """A CPU generator seeded from integer keys, e.g. (seed, step, _NOISE, sample, j): no shared state."""
+    return torch.Generator().manual_seed(int(np.random.SeedSequence(list(keys)).generate_state(1)[0]))
+
+
+def _timestep_order(seed: int, step: int, sample: int, grid: int) -> torch.Tensor:
+    """[grid] the order in which global sample ``sample`` visits the σ grid at ``step`` (spec §2)."""
+    return torch.randperm(grid, generator=_generator(seed, step, _TIMESTEPS, sample))
+
+
+def _noise(seed: int, step: int, sample: int, j: int, shape: torch.Size) -> torch.Tensor:
+    """ε of global sample ``sample`` at its j-th training timestep of ``step``."""
+    return torch.randn(shape, generator=_generator(seed, step, _NOISE, sample, j))
 
 
 def _flat(grads: tuple[torch.Tensor | None, ...], params: list[torch.Tensor]) -> torch.Tensor:
@@ -88,9 +109,21 @@ class Trainer:
         self._observer_failed = False
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.model.device)
+        self.dist = setup_distributed(config.model.device)  # inactive outside torchrun
+        if not self.dist.is_main:
+            self.on_event = None  # rank 0 alone reports
+        try:
+            check_batch_split(config, self.dist.world_size)
+            if len(set(self.dist.all_gather_objects(config.to_json()))) > 1:
+                raise ValueError("the processes of this run were given different configs; every rank must "
+                                 "run the same one")
+        except ValueError:
+            self.dist.close()
+            raise
+        self.device = self.dist.device
         self.pipe = load_pipeline(config.model.name, config.model.dtype, str(self.device))
         self.policy = Policy(self.pipe, config.model, self.device, seed=config.seed)
+        self.policy.train_module = self.dist.wrap(self.policy.transformer)  # DDP under torchrun
         self.params = self.policy.parameters
         o = config.optim
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2),
@@ -116,19 +149,31 @@ class Trainer:
             self._observer_failed = True
 
     # ---- rollout and rewards ----------------------------------------------------------------------
-    def rollout(self, step: int) -> Rollout:
+    def rollout(self, step: int, indices: torch.Tensor | None = None) -> Rollout:
+        """Step ``step``'s batch: B = prompts_per_step × images_per_prompt samples drawn from (seed, step).
+        Only the samples at the global positions ``indices`` (default: all, in order) are generated —
+        a process's share; each image depends only on its prompt and its own seed."""
         c = self.config.sampling
         rng = np.random.default_rng([self.config.seed, step])
         items = self.prompts.sample(c.prompts_per_step, rng, step)
         prompts = [it.text for it in items for _ in range(c.images_per_prompt)]
         metadata = [dict(it.metadata) for it in items for _ in range(c.images_per_prompt)]
         seeds = [int(s) for s in rng.integers(0, 2**31 - 1, size=len(prompts))]
-        groups = torch.arange(len(items)).repeat_interleave(c.images_per_prompt)
+        groups = self._groups()
+        if indices is not None:
+            pick = indices.tolist()
+            prompts, metadata, seeds = [prompts[i] for i in pick], [metadata[i] for i in pick], [seeds[i] for i in pick]
+            groups = groups[indices]
         emb = encode_prompts(self.pipe, prompts, c.max_sequence_length, c.guidance_scale, self.device)
         x0 = generate_latents(self.pipe, self.policy.velocity_old, emb, seeds, c.num_steps, c.guidance_scale,
                               c.resolution, self.device)
         images = decode_latents(self.pipe, x0)
         return Rollout(x0, images, prompts, metadata, seeds, groups, emb, self.sigmas)
+
+    def _groups(self) -> torch.Tensor:
+        """[B] the prompt group of each sample of a step's global batch."""
+        c = self.config.sampling
+        return torch.arange(c.prompts_per_step).repeat_interleave(c.images_per_prompt)
 
     def score(self, batch: Rollout) -> torch.Tensor:
         """R [B, K] on CPU, NaN where a reward does not apply."""
@@ -160,32 +205,39 @@ class Trainer:
 
     # ---- one training step ------------------------------------------------------------------------
     def train_step(self, step: int) -> None:
-        cfg, nft, bal = self.config, self.config.nft, self.config.balance
+        cfg, nft, bal, dist = self.config, self.config.nft, self.config.balance, self.dist
         t0 = time.perf_counter()
-        batch = self.rollout(step)
-        R = self.score(batch)  # [B, K]
-        A = per_reward_advantages(R, batch.groups, cfg.advantage.std_mode, cfg.advantage.eps)  # [B, K]
-        r_rewards = advantage_to_r(A, nft.adv_clip_max).to(self.device)  # [B, K], NaN = not applicable
+        # This process's share of the global batch: B/W consecutive samples of one permutation drawn from
+        # (seed, step). Micro-batches are consecutive runs of that permutation, so a W-process step trains
+        # exactly the units of a 1-process step, spread over the processes (spec §9).
+        B, K = cfg.sampling.batch_size, len(self.reward_names)
+        order = torch.randperm(B, generator=_generator(cfg.seed, step, _ORDER))  # [B] global sample indices
+        n = B // dist.world_size
+        shard = order[dist.rank * n:(dist.rank + 1) * n]  # [n] the samples this process generates and trains
+        batch = self.rollout(step, shard)
+        R = torch.empty(B, K)
+        R[order] = dist.all_gather_rows(self.score(batch))  # [B, K] the whole batch, NaN = not applicable
+        groups = self._groups()
+        A = per_reward_advantages(R, groups, cfg.advantage.std_mode, cfg.advantage.eps)  # [B, K]
+        r_rewards = advantage_to_r(A[shard], nft.adv_clip_max).to(self.device)  # [n, K], NaN = not applicable
         if self.balancer.scalarize:  # weighted sum: one scalar reward, one advantage
             R_ws = weighted_sum_rewards(R, self.reward_weights)
-            A_ws = per_reward_advantages(R_ws[:, None], batch.groups, cfg.advantage.std_mode, cfg.advantage.eps)
-            r_train = advantage_to_r(A_ws, nft.adv_clip_max).to(self.device)  # [B, 1]
+            A_ws = per_reward_advantages(R_ws[:, None], groups, cfg.advantage.std_mode, cfg.advantage.eps)
+            r_train = advantage_to_r(A_ws[shard], nft.adv_clip_max).to(self.device)  # [n, 1]
         else:
             r_train = r_rewards
 
-        # Units: micro-batches of shuffled samples x each sample's permuted timesteps (spec §2).
-        B, T_grid = len(batch.prompts), len(self.sigmas)
+        # Units: micro-batches x each sample's permuted timesteps (spec §2); the permutation and the noise
+        # of sample i come from (seed, step, i), whichever process trains it.
+        T_grid = len(self.sigmas)
         T = max(1, int(T_grid * nft.timestep_fraction))
-        gen = torch.Generator().manual_seed(_step_seed(cfg.seed, step))
-        t_index = torch.argsort(torch.rand(B, T_grid, generator=gen), dim=1)[:, :T]  # [B, T]
-        order = torch.randperm(B, generator=gen)
-        units = [(mb, j) for mb in order.split(nft.micro_batch_size) for j in range(T)]
-        U = len(units)
+        t_index = torch.stack([_timestep_order(cfg.seed, step, i, T_grid)[:T] for i in shard.tolist()])  # [n, T]
+        units = [(mb, j) for mb in torch.arange(n).split(nft.micro_batch_size) for j in range(T)]
+        U = len(units)  # this process's units; every process has as many (core.distributed.check_batch_split)
 
         full = self.balancer.needs_gradients(step) and not self.balancer.scalarize
         harmonized = set(range(U)) if (full and bal.refresh_scope == "step") else ({0} if full else set())
         diagnose = full or (bal.diagnose_every > 0 and step % bal.diagnose_every == 0)
-        K = len(self.reward_names)
         P = self.policy.num_trainable
         g_sum = torch.zeros(K, P, dtype=torch.float64, device=self.device)  # Σ over harmonized units of g_k
         kl_sum = torch.zeros(P, dtype=torch.float64, device=self.device)
@@ -196,40 +248,47 @@ class Trainer:
             p.grad = None
 
         for ui, (idx, j) in enumerate(units):
-            if self.should_stop():
+            if self._stop_requested():
                 raise StopTraining()
             t = self.sigmas[t_index[idx, j]]
-            noise = torch.randn(batch.x0[idx].shape, generator=gen)
-            l_pos, l_neg, kl = self._forward(batch, idx, t, noise)
-            kl_term = nft.kl_coef * kl.mean()
-            kl_total += kl.mean().item() / U
-            if ui in harmonized or (diagnose and ui == 0):  # K backward passes on one shared forward
-                per_reward = per_reward_objectives(l_pos, l_neg, r_rewards[idx], nft.nft_beta, nft.adv_clip_max)
-                g_k = torch.stack([self._grads(per_reward[k]) for k in range(K)])  # [K, P]
-                g_kl = self._grads(kl_term) if nft.kl_coef > 0 else torch.zeros_like(kl_sum)
-            if ui in harmonized:
-                g_sum += g_k
-                kl_sum += g_kl
-                per_reward_sum += per_reward.detach().double()
-                if bal.refresh_scope == "first_microbatch":  # solve now: later units use the fresh ᾱ
-                    diag, loss_part = self._apply_harmonized(g_sum, kl_sum, per_reward_sum, 1.0 / U, step)
-                    loss_total += loss_part
-                continue
-            alpha = torch.as_tensor(self._train_alpha(step), dtype=torch.float32, device=self.device)
-            loss = combined_objective(l_pos, l_neg, r_train[idx], alpha, nft.nft_beta, nft.adv_clip_max)
-            loss_total += loss.item() / U
-            if diagnose and ui == 0:  # the strategy's own unit gradient, against each reward's
-                update = self._grads(loss + kl_term, retain=False)
-                _add_flat_to_grad(self.params, update / U)
-                diag = self._diagnostics(g_k, update, "diagnostic", None, step)
-            else:
-                ((loss + kl_term) / U).backward()
+            noise = torch.stack([_noise(cfg.seed, step, i, j, batch.x0.shape[1:]) for i in shard[idx].tolist()])
+            # Per-reward gradients never go through DDP's reducer: they are all-reduced by hand, once. So every
+            # unit runs under no_sync() except the step's last ordinary backward, which reduces all of .grad.
+            plain = ui not in harmonized and not (diagnose and ui == 0)
+            with dist.sync_context(self.policy.train_module, sync=plain and ui == U - 1):
+                l_pos, l_neg, kl = self._forward(batch, idx, t, noise)
+                kl_term = nft.kl_coef * kl.mean()
+                kl_total += kl.mean().item() / U
+                if not plain:  # K backward passes on one shared forward
+                    per_reward = per_reward_objectives(l_pos, l_neg, r_rewards[idx], nft.nft_beta, nft.adv_clip_max)
+                    g_k = torch.stack([self._grads(per_reward[k]) for k in range(K)])  # [K, P]
+                    g_kl = self._grads(kl_term) if nft.kl_coef > 0 else torch.zeros_like(kl_sum)
+                if ui in harmonized:
+                    g_sum += g_k
+                    kl_sum += g_kl
+                    per_reward_sum += per_reward.detach().double()
+                    if bal.refresh_scope == "first_microbatch":  # solve now: later units use the fresh ᾱ
+                        diag, loss_part = self._apply_harmonized(g_sum, kl_sum, per_reward_sum, 1.0 / U, step)
+                        loss_total += loss_part
+                    continue
+                alpha = torch.as_tensor(self._train_alpha(step), dtype=torch.float32, device=self.device)
+                loss = combined_objective(l_pos, l_neg, r_train[idx], alpha, nft.nft_beta, nft.adv_clip_max)
+                loss_total += loss.item() / U
+                if not plain:  # diagnostics: the strategy's own unit gradient, against each reward's
+                    update = self._grads(loss + kl_term, retain=False)
+                    g_k, update = dist.all_reduce_mean(g_k, update)  # one all-reduce: global diagnostics
+                    _add_flat_to_grad(self.params, update / U)
+                    diag = self._diagnostics(g_k, update, "diagnostic", None, step)
+                else:
+                    ((loss + kl_term) / U).backward()
 
         if full and bal.refresh_scope == "step":  # one solve on the whole step's mean gradients
             diag, loss_part = self._apply_harmonized(g_sum / U, kl_sum / U, per_reward_sum / U, 1.0, step)
             loss_total += loss_part
 
         grad_norm = self._clip_and_step(step)
+        (stats,) = dist.all_reduce_mean(torch.tensor([loss_total, kl_total], dtype=torch.float64))  # logging only
+        loss_total, kl_total = stats.tolist()
         seconds = time.perf_counter() - t0
         self.step = step + 1
         alpha_now = self.balancer.advantage_weights(step)
@@ -245,13 +304,20 @@ class Trainer:
             stage=self.balancer.current_stage(step) if hasattr(self.balancer, "current_stage") else None))
         if diag is not None:
             self.emit(BalanceEvent(step=self.step, **diag))
-        if cfg.sample_every and (self.step % cfg.sample_every == 0 or self.step == 1):
-            self._save_samples(batch, R, A)
+        if cfg.sample_every and (self.step % cfg.sample_every == 0 or self.step == 1) and dist.is_main:
+            self._save_samples(batch, shard, R[shard], A[shard])
+
+    def _stop_requested(self) -> bool:
+        """The stop flag; under torchrun rank 0's, broadcast, so every process stops at the same unit."""
+        return self.dist.broadcast_flag(self.dist.is_main and self.should_stop())
 
     def _apply_harmonized(self, g: torch.Tensor, g_kl: torch.Tensor, losses: torch.Tensor, scale: float,
                           step: int) -> tuple[dict, float]:
         """Full step (spec §4): QP on the Gram of the per-reward gradients g [K, P]; the update
-        d + ∇KL (d = Σ c_k g_k) is added to .grad with ``scale``. Returns the diagnostics and the loss."""
+        d + ∇KL (d = Σ c_k g_k) is added to .grad with ``scale``. Returns the diagnostics and the loss.
+        Under torchrun g, ∇KL and the losses are first averaged over the processes with ONE all-reduce, so
+        every process solves the same QP and writes the same update (spec §9)."""
+        g, g_kl, losses = self.dist.all_reduce_mean(g, g_kl, losses)
         decision = self.balancer.balance(g.matmul(g.T).cpu().numpy(), step)
         weights = torch.as_tensor(decision.grad_weights, dtype=torch.float64, device=self.device)
         update = weights @ g + g_kl
@@ -298,7 +364,9 @@ class Trainer:
             valid={n: bool(valid[k]) for k, n in enumerate(names)},
             solver=solver, phase=phase, update_norm=float(update.norm()), solve_seconds=seconds)
 
-    def _save_samples(self, batch: Rollout, R: torch.Tensor, A: torch.Tensor) -> None:
+    def _save_samples(self, batch: Rollout, indices: torch.Tensor, R: torch.Tensor, A: torch.Tensor) -> None:
+        """The rollout images of this process (all of them in a 1-process run), named by global index.
+        Shapes: indices [n] (global positions of batch's samples); R, A [n, K]."""
         from PIL import Image
 
         rel = Path("samples") / f"step_{self.step:06d}"
@@ -306,8 +374,8 @@ class Trainer:
         folder.mkdir(parents=True, exist_ok=True)
         items = []
         arr = (batch.images.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
-        for i in range(len(batch.prompts)):
-            name = f"{i:03d}.png"
+        for i in torch.argsort(indices).tolist():
+            name = f"{int(indices[i]):03d}.png"
             Image.fromarray(arr[i]).save(folder / name)
             items.append({
                 "prompt": batch.prompts[i], "source": batch.metadata[i].get("source"), "seed": batch.seeds[i],
@@ -319,9 +387,12 @@ class Trainer:
     # ---- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         """checkpoints/step_NNNNNN/: the diffusers LoRA (pytorch_lora_weights.safetensors, with its alpha
-        metadata) plus training_state.pt (old adapter, optimizer, balancer state, step, config)."""
+        metadata) plus training_state.pt (old adapter, optimizer, balancer state, step, config).
+        Under torchrun rank 0 alone writes it (the state is the same on every rank); all return its path."""
         root = self.out_dir / "checkpoints"
         final = root / f"step_{self.step:06d}"
+        if not self.dist.is_main:
+            return final
         tmp = root / f".tmp_step_{self.step:06d}_{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -356,21 +427,24 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self, resume_from: str | Path | None = None) -> TrainResult:
+        resume_from = self._same_on_every_rank(resume_from)
         if resume_from is not None:
-            self.load_checkpoint(resume_from)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.config.save(self.out_dir / "config.json")
+            self.load_checkpoint(resume_from)  # every rank loads the same checkpoint
+        if self.dist.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self.config.save(self.out_dir / "config.json")
         started = time.perf_counter()
         self.emit(StartEvent(step=self.step, total_steps=self.config.steps, reward_names=self.reward_names,
                              strategy=self.config.balance.strategy,
                              trainable_parameters=self.policy.num_trainable, device=str(self.device),
-                             resumed_from=None if resume_from is None else str(resume_from)))
+                             resumed_from=None if resume_from is None else str(resume_from),
+                             world_size=self.dist.world_size))
         last_ckpt: Path | None = Path(resume_from) if resume_from is not None else None
         status = "completed"
         every = self.config.checkpoint_every
         try:
             while self.step < self.config.steps:
-                if self.should_stop():
+                if self._stop_requested():
                     raise StopTraining()
                 self.train_step(self.step)
                 if every and self.step % every == 0:
@@ -380,8 +454,17 @@ class Trainer:
         if last_ckpt is None or not last_ckpt.name.endswith(f"{self.step:06d}"):
             if self.step > 0:
                 last_ckpt = self.save_checkpoint()
+        self.dist.barrier()  # when run() returns on any rank, rank 0's last checkpoint is on disk
         self.emit(EndEvent(step=self.step, status=status, seconds=time.perf_counter() - started))
         return TrainResult(status, self.step, self.out_dir, last_ckpt)
+
+    def _same_on_every_rank(self, resume_from: str | Path | None) -> Path | None:
+        """Rank 0's resume checkpoint on every rank; the others may pass None (or the same path)."""
+        mine = None if resume_from is None else str(resume_from)
+        chosen = self.dist.broadcast_object(mine)
+        if mine is not None and mine != chosen:
+            raise ValueError(f"resume: rank {self.dist.rank} was given {mine!r} but rank 0 resumes from {chosen!r}")
+        return None if chosen is None else Path(chosen)
 
 
 def _check_resumable(saved: dict, current: dict) -> None:
@@ -405,5 +488,13 @@ def _nanstd(x: torch.Tensor) -> float:
 
 def train(config: TrainConfig, out_dir: str | Path, on_event: Callable[[Event], None] | None = None,
           should_stop: Callable[[], bool] | None = None, resume_from: str | Path | None = None) -> TrainResult:
-    """Run (or resume) a training run; events go to ``on_event``; ``should_stop`` is polled between units."""
-    return Trainer(config, out_dir, on_event, should_stop).run(resume_from)
+    """Run (or resume) a training run; events go to ``on_event``; ``should_stop`` is polled between units.
+
+    Under torchrun every rank calls this with the same config: rank 0's ``on_event``, ``should_stop`` and
+    ``resume_from`` are the ones used (the others may pass None); the process group is joined here and,
+    when this call started it, destroyed on return."""
+    trainer = Trainer(config, out_dir, on_event, should_stop)
+    try:
+        return trainer.run(resume_from)
+    finally:
+        trainer.dist.close()
