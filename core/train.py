@@ -2,6 +2,11 @@
 
 Writes DIR/config.json, DIR/events.jsonl (one JSON object per event), DIR/samples/ and
 DIR/checkpoints/step_NNNNNN/, with a progress bar on stderr.
+
+Several GPUs: add ``--num-processes G`` (and for several machines ``--num-nodes N --node-rank R
+--master-addr HOST``, the same command on each node); the CLI then re-runs itself under torchrun. Or
+launch it yourself: ``torchrun --standalone --nproc-per-node=G -m core.train ...``. Rank 0 alone writes
+DIR (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import sys
 from pathlib import Path
 
 from core.config import ConfigError, TrainConfig, available_presets, preset
+from core.launch import launch_rank, launched_by_torchrun, torchrun_command
 
 EVENTS_FILE = "events.jsonl"
 
@@ -84,8 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", metavar="DIR", nargs="?", const="latest",
                         help="a checkpoint folder, or no value for the run's latest checkpoint")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    launch = parser.add_argument_group("distributed launch (re-runs this command under torchrun)")
+    launch.add_argument("--num-processes", type=int, help="processes on this node, one per GPU")
+    launch.add_argument("--num-nodes", type=int, default=1, help="machines taking part (default: 1)")
+    launch.add_argument("--node-rank", type=int, default=0, help="this machine's place among them, 0 to N-1")
+    launch.add_argument("--master-addr", help="node 0's address, reachable from every node (several nodes)")
+    launch.add_argument("--master-port", type=int, default=29500, help="node 0's port (several nodes)")
     args = parser.parse_args(argv)
 
+    if args.num_processes is not None or args.num_nodes != 1:
+        return _relaunch_under_torchrun(args, sys.argv[1:] if argv is None else argv)
+    rank = launch_rank()
+    prefix = f"rank {rank}: " if rank else ""
     out = Path(args.out)
     resume = None
     try:
@@ -99,12 +115,20 @@ def main(argv: list[str] | None = None) -> int:
         elif args.resume:
             resume = Path(args.resume)
     except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{prefix}error: {e}", file=sys.stderr)
         return 2
 
-    from tqdm import tqdm
-
     from core.trainer import train
+
+    if rank != 0:  # under torchrun: train this rank's share; rank 0 writes the run folder and reports
+        try:
+            train(config, out, resume_from=resume)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"{prefix}error: {e}", file=sys.stderr)
+            return 2
+        return 0
+
+    from tqdm import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
     if resume is not None:
@@ -135,6 +159,35 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{result.status}: {result.step} steps; events in {out / EVENTS_FILE}; "
           f"checkpoint {result.last_checkpoint}")
     return 0
+
+
+_LAUNCH_FLAGS = {"--num-processes", "--num-nodes", "--node-rank", "--master-addr", "--master-port"}
+
+
+def _relaunch_under_torchrun(args: argparse.Namespace, argv: list[str]) -> int:
+    """Replace this process with torchrun running the same command (launch flags removed) on every process."""
+    if launched_by_torchrun():
+        print("error: --num-processes/--num-nodes launch torchrun; this process already runs under torchrun "
+              "(drop them, or start without torchrun)", file=sys.stderr)
+        return 2
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in _LAUNCH_FLAGS:
+            skip = True
+        elif a.split("=", 1)[0] not in _LAUNCH_FLAGS:
+            rest.append(a)
+    try:
+        cmd = torchrun_command(args.num_processes or 1, args.num_nodes, args.node_rank, args.master_addr,
+                               args.master_port, ["core.train", *rest])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(cmd[0], cmd)
+    return 0  # not reached
 
 
 if __name__ == "__main__":
