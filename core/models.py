@@ -217,6 +217,8 @@ class Policy:
         if not self.named_trainable:
             raise ValueError(f"model.lora_targets={list(config.lora_targets)!r} matched no module of the "
                              f"transformer; SD3 attention projections are e.g. {', '.join(LORA_HINT)}")
+        if config.gradient_checkpointing:  # v_θ's backward recomputes each block's activations (no_grad calls
+            self.transformer.enable_gradient_checkpointing()  # — v_old, v_ref, rollouts — are unaffected)
         # θ_old starts as θ; a plain tensor dict, applied with functional_call.
         self.old: dict[str, torch.Tensor] = {n: p.detach().clone() for n, p in self.named_trainable.items()}
         self.num_trainable = sum(p.numel() for p in self.named_trainable.values())

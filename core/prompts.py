@@ -54,19 +54,24 @@ def validate_source_name(name: str) -> str | None:
     """None when ``name`` can be loaded, else the reason (used by config validation)."""
     if name.startswith("file:"):
         path = Path(name[5:]).expanduser()
+        if path.is_dir():
+            return None if split_files(path) else (
+                f"prompt folder {str(path)!r} holds neither train.txt + test.txt nor train_metadata.jsonl + "
+                f"test_metadata.jsonl (DiffusionNFT's dataset layout)")
         if not path.is_file():
             return f"prompt file {str(path)!r} does not exist"
         if path.suffix not in (".txt", ".jsonl"):
             return f"prompt file {str(path)!r} must end in .txt (one prompt a line) or .jsonl"
         return None
     if name not in _SOURCES:
-        return f"valid choices: {', '.join(_SOURCES)} or file:PATH(.txt|.jsonl)"
+        return f"valid choices: {', '.join(_SOURCES)} or file:PATH(.txt|.jsonl|folder)"
     return None
 
 
 def load_source(name: str) -> PromptSource:
     if name.startswith("file:"):
-        return _load_file(Path(name[5:]).expanduser(), name)
+        path = Path(name[5:]).expanduser()
+        return _load_folder(path, name) if path.is_dir() else _load_file(path, name)
     if name not in _SOURCES:
         raise ValueError(f"prompt source {name!r} is unknown; valid choices: {', '.join(_SOURCES)} or file:PATH")
     return _SOURCES[name][1]()
@@ -82,6 +87,36 @@ def _split_every(items: list[PromptItem], every: int = 5) -> tuple[list[PromptIt
 def _load_file(path: Path, name: str) -> PromptSource:
     """.txt: one prompt a line. .jsonl: objects with "prompt" (or "text") and any metadata; an optional
     "split" key ("train"/"test") overrides the default every-5th held-out split."""
+    items, explicit = _read_items(path, name)
+    if any(s is not None for s in explicit):
+        train = [it for it, s in zip(items, explicit) if s != "test"]
+        test = [it for it, s in zip(items, explicit) if s == "test"]
+    else:
+        train, test = _split_every(items) if len(items) >= 5 else (items, items)
+    return PromptSource(name, f"prompts from {path}", train, test)
+
+
+def split_files(folder: Path) -> tuple[Path, Path] | None:
+    """(train, test) files of a DiffusionNFT-style prompt folder, or None: train.txt + test.txt (general,
+    OCR) or train_metadata.jsonl + test_metadata.jsonl (GenEval)."""
+    for pattern in ("{}.txt", "{}_metadata.jsonl"):
+        train, test = folder / pattern.format("train"), folder / pattern.format("test")
+        if train.is_file() and test.is_file():
+            return train, test
+    return None
+
+
+def _load_folder(folder: Path, name: str) -> PromptSource:
+    """A DiffusionNFT-style folder: its own train and test files (see :func:`split_files`)."""
+    files = split_files(folder)
+    if files is None:
+        raise ValueError(validate_source_name(f"file:{folder}"))
+    train, test = (_read_items(path, name)[0] for path in files)
+    return PromptSource(name, f"prompts from {folder}", train, test)
+
+
+def _read_items(path: Path, name: str) -> tuple[list[PromptItem], list[str | None]]:
+    """The prompts of a .txt / .jsonl file and each one's explicit "split" (None when absent)."""
     items: list[PromptItem] = []
     explicit: list[str | None] = []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
@@ -102,12 +137,7 @@ def _load_file(path: Path, name: str) -> PromptSource:
             items.append(PromptItem(line.strip(), {"source": name}))
     if not items:
         raise ValueError(f"prompt file {path} holds no prompts")
-    if any(s is not None for s in explicit):
-        train = [it for it, s in zip(items, explicit) if s != "test"]
-        test = [it for it, s in zip(items, explicit) if s == "test"]
-    else:
-        train, test = _split_every(items) if len(items) >= 5 else (items, items)
-    return PromptSource(name, f"prompts from {path}", train, test)
+    return items, explicit
 
 
 _TINY_SUBJECTS = ["circle", "square", "triangle", "star", "ring", "stripe pattern"]
@@ -120,6 +150,30 @@ def _tiny_source() -> PromptSource:
              for s in _TINY_SUBJECTS for c in _TINY_COLOURS]
     train, test = _split_every(items)
     return PromptSource("tiny", available_sources()["tiny"], train, test)
+
+
+NFT_PROMPTS_DIR = Path(__file__).resolve().parents[1] / "data" / "prompts"
+"""Where the nft-* sources read DiffusionNFT's prompt sets: copy its dataset/pickscore, dataset/ocr and
+dataset/geneval folders here (or point a run at them with file:FOLDER)."""
+NFT_SOURCES = {
+    "nft-general": ("pickscore", "DiffusionNFT's general prompts (data/prompts/pickscore/{train,test}.txt)."),
+    "nft-ocr": ("ocr", "DiffusionNFT's OCR prompts, text in quotes (data/prompts/ocr/{train,test}.txt)."),
+    "nft-geneval": ("geneval", "DiffusionNFT's GenEval prompts with object/count/colour/position metadata "
+                               "(data/prompts/geneval/{train,test}_metadata.jsonl)."),
+}
+
+
+def _nft_source(name: str) -> PromptSource:
+    folder = NFT_PROMPTS_DIR / NFT_SOURCES[name][0]
+    if split_files(folder) is None:
+        raise ValueError(f"prompt source {name!r} reads {folder}, which holds neither train.txt + test.txt nor "
+                         f"train_metadata.jsonl + test_metadata.jsonl. Copy the folder dataset/{folder.name} of "
+                         f"github.com/NVlabs/DiffusionNFT there, or use file:/path/to/{folder.name}.")
+    return _load_folder(folder, name)
+
+
+for _name, (_folder, _description) in NFT_SOURCES.items():
+    register_source(_name, _description)(lambda _name=_name: _nft_source(_name))
 
 
 class PromptSampler:

@@ -480,8 +480,8 @@ def owl_dir(tmp_path_factory):
 def test_geneval_reward_on_tiny_owlv2_scores_geneval_prompts_and_nan_elsewhere(owl_dir, clip_dir):
     reward = make_reward("geneval", detector=str(owl_dir), clip=str(clip_dir), device="cpu", queries="prompt",
                          threshold=0.0, counting_threshold=0.0)
-    meta = [{"source": "nft_geneval", "tag": "single_object", "include": [{"class": "cat", "count": 1}]},
-            {"source": "nft_general"},
+    meta = [{"source": "nft-geneval", "tag": "single_object", "include": [{"class": "cat", "count": 1}]},
+            {"source": "nft-general"},
             {"tag": "color_attr", "include": [{"class": "car", "count": 1, "color": "red"},
                                               {"class": "dog", "count": 1, "color": "blue"}]}]
     scores = reward(batch(3), ["a cat", "a sunset", "a red car and a blue dog"], meta)
