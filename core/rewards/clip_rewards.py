@@ -277,7 +277,7 @@ def pickscore(model: str = "yuvalkirstain/PickScore_v1",
     clip = load_clip_model("pickscore", model, "the PickScore model", resolve_device(device),
                            resolve_dtype("pickscore", dtype))
     tokenizer = load_tokenizer("pickscore", processor, "the PickScore processor (CLIP ViT-H-14 tokenizer)")
-    multiplier = float(clip.logit_scale.exp()) / PICKSCORE_DIVISOR
+    multiplier = float(clip.logit_scale.float().exp()) / PICKSCORE_DIVISOR
     return ClipSimilarityReward(clip, tokenizer, partial(clip_pixels, size=image_size(clip)), multiplier, batch_size)
 
 
@@ -291,7 +291,7 @@ def clipscore(model: str = "openai/clip-vit-large-patch14", device: str = "auto"
     clip = load_clip_model("clipscore", model, "the CLIP model", resolve_device(device),
                            resolve_dtype("clipscore", dtype))
     tokenizer = load_tokenizer("clipscore", model, "the CLIP tokenizer")
-    multiplier = float(clip.logit_scale.exp()) / CLIPSCORE_DIVISOR
+    multiplier = float(clip.logit_scale.float().exp()) / CLIPSCORE_DIVISOR
     return ClipSimilarityReward(clip, tokenizer, partial(tensor_resize_center_crop, size=image_size(clip)),
                                 multiplier, batch_size)
 
