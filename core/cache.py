@@ -1,0 +1,22 @@
+"""Where local model weights live (torch-free: the web process uses it to list available models)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def hf_cache_dir() -> str:
+    """The Hugging Face hub cache, read from the environment at call time (HF_HUB_CACHE, HF_HOME)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(home, "hub")
+
+
+def model_available(name: str) -> bool:
+    """True when ``name`` is a local folder or a repo id with a snapshot in the local HF cache."""
+    if Path(name).expanduser().exists():
+        return True
+    folder = Path(hf_cache_dir()) / ("models--" + name.replace("/", "--")) / "snapshots"
+    return folder.is_dir() and any(folder.iterdir())
