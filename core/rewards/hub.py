@@ -15,6 +15,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from core.cache import hf_cache_dir
+
 _TRUE = ("1", "on", "yes", "true")
 
 
@@ -25,14 +27,6 @@ class RewardWeightsNotFoundError(FileNotFoundError):
 def hf_offline() -> bool:
     """True when ``HF_HUB_OFFLINE`` forbids downloads (read from the environment at call time)."""
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
-
-
-def hf_cache_dir() -> str:
-    """The Hugging Face hub cache folder (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.environ["HF_HUB_CACHE"]
-    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
-    return os.path.join(home, "hub")
 
 
 def _looks_like_repo_id(source: str) -> bool:
