@@ -73,6 +73,7 @@ metrics = Table(  # long form: one row per (step, key); value NULL where not app
     Column("step", Integer, primary_key=True),
     Column("key", String(128), primary_key=True),  # "loss", "reward/colorfulness", "alpha/brightness", ...
     Column("value", Float),
+    sqlite_with_rowid=False,  # SQLite: rows clustered on (run_id, step, key); range reads scan them in order
 )
 
 steps = Table(  # one row per optimizer step: what is not a number

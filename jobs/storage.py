@@ -437,7 +437,7 @@ class Store:
             else:
                 bucket = (m.step - 1) // stride
                 q = (select(func.max(m.step).label("step"), m.key, func.avg(m.value).label("value"))
-                     .where(*where).group_by(m.key, bucket).order_by(func.max(m.step), m.key))
+                     .where(*where).group_by(bucket, m.key).order_by(func.max(m.step), m.key))
             rows = [(int(a), b, None if c is None else float(c)) for a, b, c in conn.execute(q)]
         return MetricSeries(rows, int(last), stride)
 

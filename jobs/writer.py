@@ -9,7 +9,8 @@ second or so. Three kinds of event flush at once, on the calling thread:
 - ``end``.
 A very fast run also flushes once ``max_pending_steps`` steps are buffered.
 
-``busy_seconds`` adds up the time spent inside the writer on any thread: the storage overhead that
+``busy_seconds`` adds up the wall time spent inside the writer on any thread (including waits for the
+database and for the GIL), ``cpu_seconds`` the CPU time it used: the storage overhead that
 benchmarks/storage.py reports as a fraction of step time.
 """
 
@@ -47,6 +48,7 @@ class EventWriter:
         self.run_dir = Path(run_dir)
         self.max_pending_steps = max_pending_steps
         self.busy_seconds = 0.0
+        self.cpu_seconds = 0.0
         self.flushes = 0
         self._pending = Batch()
         self._lock = threading.Lock()  # guards _pending
@@ -56,7 +58,7 @@ class EventWriter:
 
     # ---- the trainer's on_event ---------------------------------------------------------------------
     def __call__(self, event) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         ev = event.to_dict()
         kind = ev["event"]
         batch = Batch()
@@ -91,6 +93,7 @@ class EventWriter:
             self._pending.extend(batch)
             urgent = kind in ("start", "checkpoint", "end") or len(self._pending.steps) >= self.max_pending_steps
         self.busy_seconds += time.perf_counter() - t0
+        self.cpu_seconds += time.thread_time() - c0
         if urgent:
             self.flush()
 
@@ -99,7 +102,7 @@ class EventWriter:
         """Write the buffered rows in one transaction (and stamp the heartbeat). Returns the stop flag.
         On a database error the rows go back to the front of the buffer for the next flush."""
         with self._flush_lock:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             with self._lock:
                 batch, self._pending = self._pending, Batch()
             if not len(batch) and not batch.run and not heartbeat:
@@ -113,6 +116,7 @@ class EventWriter:
                 raise
             finally:
                 self.busy_seconds += time.perf_counter() - t0
+                self.cpu_seconds += time.thread_time() - c0
             self.flushes += 1
             return stop
 

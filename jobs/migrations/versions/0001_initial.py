@@ -65,6 +65,7 @@ def upgrade() -> None:
         sa.Column("value", sa.Float()),
         _run_fk("metrics"),
         sa.PrimaryKeyConstraint("run_id", "step", "key", name="pk_metrics"),
+        sqlite_with_rowid=False,
     )
     op.create_table(
         "steps", *_per_step_keys(),
