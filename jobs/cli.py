@@ -1,0 +1,217 @@
+"""``python -m jobs``: background training runs for headless use and scripting.
+
+    python -m jobs submit (--preset NAME | --config FILE) [--set k=v ...] [--name TEXT] [--wait]
+    python -m jobs list [--status S] [--json]
+    python -m jobs show RUN [--json]
+    python -m jobs cancel RUN [--no-wait]
+    python -m jobs resume RUN [--steps N]
+    python -m jobs logs RUN [--lines N]
+    python -m jobs export RUN --format csv|parquet [--out FILE]
+    python -m jobs worker [--once] [--slots N]
+
+Everything lives under the data directory: --home, else $MARBLE_HOME, else ./runs (the database
+marble.db, one folder per run with its config, job.log, samples and checkpoints). --db (or
+$MARBLE_DATABASE_URL) points the database elsewhere, e.g. postgresql+psycopg://user@host/db.
+Submitted runs wait in the queue until a worker runs them: start one with `python -m jobs worker`, or
+pass --wait to submit to run the job right here.
+Exit codes: 0 ok, 1 the run failed, 2 bad input (the message names the rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from jobs import schema as s
+from jobs.storage import RunNotFound, Store, TransitionError
+
+
+def _fmt_seconds(x: float | None) -> str:
+    if x is None:
+        return "-"
+    x = int(round(x))
+    h, rem = divmod(x, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{sec:02d}s" if m else f"{sec}s")
+
+
+def _fmt_rewards(headline: dict) -> str:
+    return " ".join(f"{k}={v:.3g}" for k, v in headline.items() if v is not None)
+
+
+def _fmt_time(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def cmd_submit(store: Store, args) -> int:
+    from core.config import TrainConfig, preset
+    from jobs.runner import submit
+
+    config = TrainConfig.load(args.config) if args.config else preset(args.preset or "tiny")
+    if args.set:
+        config = config.with_overrides(args.set)
+    run_id = submit(store, config, preset=None if args.config else (args.preset or "tiny"), name=args.name,
+                    num_processes=args.num_processes, num_nodes=args.num_nodes, immediate=args.wait)
+    if args.wait:
+        run = store.get_run(run_id)
+        print(f"run {run_id} {run.status}" + (f": {run.error}" if run.error else ""))
+        return 0 if run.status in (s.SUCCEEDED, s.CANCELLED) else 1
+    print(run_id)
+    return 0
+
+
+def cmd_list(store: Store, args) -> int:
+    runs = store.list_runs(status=args.status, limit=args.limit)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in runs], indent=2))
+        return 0
+    print(f"{'ID':>5}  {'STATUS':<11} {'STEP':>11}  {'STRATEGY':<14} {'ETA':>7}  REWARDS")
+    for r in runs:
+        name = f"  [{r.name}]" if r.name else ""
+        print(f"{r.id:>5}  {r.status:<11} {f'{r.step}/{r.total_steps}':>11}  {r.strategy:<14} "
+              f"{_fmt_seconds(r.eta_seconds):>7}  {_fmt_rewards(r.headline)}{name}")
+    return 0
+
+
+def cmd_show(store: Store, args) -> int:
+    run = store.get_run(args.run)
+    checkpoints = store.checkpoints(run.id)
+    if args.json:
+        print(json.dumps({**run.to_dict(), "checkpoints": checkpoints}, indent=2))
+        return 0
+    print(f"run {run.id}{f' [{run.name}]' if run.name else ''}: {run.status}, step {run.step}/{run.total_steps}"
+          f" ({run.progress:.0%}), strategy {run.strategy}, attempt {run.attempt}")
+    print(f"  preset {run.preset or '-'}; code {run.code_version or '-'}; device {run.device or '-'}")
+    print(f"  created {_fmt_time(run.created_at)}, started {_fmt_time(run.started_at)}, "
+          f"finished {_fmt_time(run.finished_at)}; ETA {_fmt_seconds(run.eta_seconds)}")
+    if run.headline:
+        print(f"  latest rewards: {_fmt_rewards(run.headline)}")
+    print(f"  folder {run.run_dir}\n  log {run.log_path}")
+    if checkpoints:
+        print(f"  checkpoints: {', '.join(str(c['step']) for c in checkpoints)} (latest {checkpoints[-1]['path']})")
+    if run.error:
+        print(f"  error: {run.error}")
+    return 0
+
+
+def cmd_cancel(store: Store, args) -> int:
+    from jobs.runner import cancel
+
+    print(f"run {args.run} {cancel(store, args.run, wait=not args.no_wait)}")
+    return 0
+
+
+def cmd_resume(store: Store, args) -> int:
+    from jobs.runner import resume
+
+    resume(store, args.run, steps=args.steps)
+    print(f"run {args.run} queued to resume from its last checkpoint")
+    return 0
+
+
+def cmd_logs(store: Store, args) -> int:
+    store.get_run(args.run)
+    print(store.log_tail(args.run, args.lines))
+    return 0
+
+
+def cmd_export(store: Store, args) -> int:
+    from jobs.export import export_metrics
+
+    store.get_run(args.run)
+    print(export_metrics(store, args.run, args.format, args.out))
+    return 0
+
+
+def cmd_worker(store: Store, args) -> int:
+    from jobs.runner import RunnerSettings, Worker, WorkerBusy
+
+    settings = RunnerSettings.from_env(poll_seconds=args.poll)
+    try:
+        Worker(store, slots=args.slots, settings=settings).run(once=args.once)
+    except WorkerBusy as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from jobs.export import FORMATS
+
+    parser = argparse.ArgumentParser(prog="python -m jobs", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--home", help="the data directory (default: $MARBLE_HOME or ./runs)")
+    parser.add_argument("--db", help="database URL (default: $MARBLE_DATABASE_URL or <home>/marble.db)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("submit", help="queue a training run")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", help="a preset name (default: tiny)")
+    src.add_argument("--config", help="a TrainConfig JSON file")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field, e.g. steps=50 (repeatable)")
+    p.add_argument("--name", help="a label for the runs list")
+    p.add_argument("--num-processes", type=int, default=1, help="processes (GPUs) per node; > 1 runs under torchrun")
+    p.add_argument("--num-nodes", type=int, default=1)
+    p.add_argument("--wait", action="store_true", help="run the job here and now (immediate mode) instead of queueing")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("list", help="runs, newest first")
+    p.add_argument("--status", choices=s.STATUSES)
+    p.add_argument("--limit", type=int)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("show", help="one run in full")
+    p.add_argument("run", type=int)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("cancel", help="stop a run: stop flag, then SIGTERM, then SIGKILL")
+    p.add_argument("run", type=int)
+    p.add_argument("--no-wait", action="store_true", help="only raise the stop flag; the worker escalates")
+    p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser("resume", help="queue a stopped run to continue from its last checkpoint")
+    p.add_argument("run", type=int)
+    p.add_argument("--steps", type=int, help="extend the run to this many steps")
+    p.set_defaults(func=cmd_resume)
+
+    p = sub.add_parser("logs", help="the tail of a run's job log")
+    p.add_argument("run", type=int)
+    p.add_argument("--lines", type=int, default=50)
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("export", help="per-step metrics as one wide table")
+    p.add_argument("run", type=int)
+    p.add_argument("--format", required=True, choices=FORMATS)
+    p.add_argument("--out", help="output file (default: <run folder>/metrics.<format>)")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("worker", help="run the queue without the UI")
+    p.add_argument("--once", action="store_true", help="exit when nothing is queued or running")
+    p.add_argument("--slots", type=int, help="concurrent jobs (default: one per GPU, one on CPU)")
+    p.add_argument("--poll", type=float, help="seconds between queue checks (default 1)")
+    p.set_defaults(func=cmd_worker)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = logging.INFO if args.command in ("worker", "submit") else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    from core.config import ConfigError
+
+    try:
+        with Store.open(args.home, args.db) as store:
+            if args.command != "worker" and args.command != "submit":
+                from jobs.runner import reconcile
+
+                reconcile(store)  # a job that died while nobody watched shows as interrupted
+            return args.func(store, args)
+    except (ConfigError, RunNotFound, TransitionError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,182 @@
+"""One job: run ``core.trainer.train`` for a claimed run and record everything in the store.
+
+``execute(store, run_id)`` is the whole job. The worker runs it in a process of its own
+(``python -m jobs.job RUN_ID``, its own process group, output to the run's job.log); immediate mode calls
+it inline. It
+- loads the stored config (a config that no longer validates fails the job with the rule it breaks),
+- on a resumed attempt, deletes the rows after the last recorded checkpoint and resumes from it,
+- writes events through one batched :class:`~jobs.writer.EventWriter`,
+- heartbeats from a thread that also flushes the writer and reads the stop flag (``should_stop``),
+- ends the run succeeded / cancelled / failed with the error text. A failing job writes only its own
+  run row (status, error) and the rows of steps it really trained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+from jobs import schema as s
+from jobs.paths import LOG_FILE
+from jobs.storage import Store
+from jobs.writer import EventWriter
+
+log = logging.getLogger("jobs.job")
+
+HEARTBEAT_ENV = "MARBLE_HEARTBEAT_SECONDS"
+DEFAULT_HEARTBEAT_SECONDS = 1.0
+
+
+class JobTerminated(BaseException):
+    """SIGTERM reached the job (the runner's second step of a cancel, or a shutdown)."""
+
+
+class Heartbeat(threading.Thread):
+    """Every ``interval`` seconds: flush the writer, stamp heartbeat_at, read the stop flag."""
+
+    def __init__(self, writer: EventWriter, interval: float):
+        super().__init__(name=f"heartbeat-{writer.run_id}", daemon=True)
+        self.writer = writer
+        self.interval = interval
+        self.stop_requested = threading.Event()
+        self._done = threading.Event()
+
+    def beat(self) -> None:
+        try:
+            if self.writer.flush(heartbeat=True):
+                self.stop_requested.set()
+        except Exception:  # noqa: BLE001 - a busy or unreachable database must not kill training
+            log.exception("heartbeat: could not write to the database; retrying")
+
+    def run(self) -> None:
+        while not self._done.wait(self.interval):
+            self.beat()
+
+    def should_stop(self) -> bool:
+        return self.stop_requested.is_set()
+
+    def close(self) -> None:
+        self._done.set()
+        if self.is_alive():
+            self.join()
+
+
+def process_key(pid: int) -> str | None:
+    """Boot id + the process's start time: tells a live job from a new process that reuses its pid."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return f"{boot}:{stat.rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError):
+        return None
+
+
+def _log_event(event) -> None:
+    if event.kind == "step":
+        rewards = " ".join(f"{k}={v:.4g}" for k, v in event.rewards.items() if v == v)
+        log.info("step %d phase=%s loss=%.4g %s (%.2fs)", event.step, event.phase, event.loss, rewards, event.seconds)
+    elif event.kind in ("start", "checkpoint", "end"):
+        log.info("%s %s", event.kind, {k: v for k, v in event.to_dict().items() if k != "event"})
+
+
+def execute(store: Store, run_id: int, heartbeat_seconds: float | None = None) -> str:
+    """Run a claimed (running) job to its end; returns the final status."""
+    run = store.get_run(run_id)
+    if run.status != s.RUNNING:
+        raise ValueError(f"run {run_id} is {run.status}; only a claimed (running) run can execute")
+    interval = heartbeat_seconds or float(os.environ.get(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_SECONDS))
+    writer = EventWriter(store, run_id, run.run_dir)
+    monitor = Heartbeat(writer, interval)
+    monitor.beat()
+    monitor.start()
+
+    def on_event(event) -> None:
+        _log_event(event)
+        writer(event)
+
+    try:
+        from core.config import TrainConfig
+
+        config = TrainConfig.from_dict(run.config)
+        resume_from = None
+        if run.attempt > 1:  # a resume: continue from the last checkpoint the database recorded
+            ckpt = store.latest_checkpoint(run_id)
+            after = ckpt["step"] if ckpt else 0
+            dropped = store.truncate_after(run_id, after)
+            resume_from = Path(ckpt["path"]) if ckpt else None
+            log.info("attempt %d: resuming from %s (dropped %d rows after step %d)", run.attempt,
+                     resume_from or "the start", dropped, after)
+        from core.trainer import train
+
+        result = train(config, run.run_dir, on_event=on_event, should_stop=monitor.should_stop,
+                       resume_from=resume_from)
+        monitor.close()
+        writer.flush(heartbeat=True)
+        status = s.SUCCEEDED if result.status == "completed" else s.CANCELLED
+        store.finish(run_id, status)
+    except JobTerminated:
+        monitor.close()
+        cancelled = monitor.should_stop() or store.get_run(run_id).cancel_requested
+        status = s.CANCELLED if cancelled else s.INTERRUPTED
+        log.warning("terminated by SIGTERM: %s", status)
+        _flush_quietly(writer)
+        store.finish(run_id, status, error=None if cancelled else "terminated by SIGTERM", exit_code=-signal.SIGTERM)
+    except Exception as e:  # noqa: BLE001 - every failure ends the job with its error text
+        monitor.close()
+        log.error("job failed:\n%s", traceback.format_exc())
+        _flush_quietly(writer)
+        status = s.FAILED
+        store.finish(run_id, status, error=f"{type(e).__name__}: {e}")
+    finally:
+        monitor.close()
+    log.info("run %d %s", run_id, status)
+    return status
+
+
+def _flush_quietly(writer: EventWriter) -> None:
+    try:
+        writer.flush()
+    except Exception:  # noqa: BLE001
+        log.exception("could not write the last rows")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.job", description="Run one claimed job (the worker "
+                                     "starts this; use `python -m jobs worker`).")
+    parser.add_argument("run_id", type=int)
+    parser.add_argument("--home", help="the data directory (default: $MARBLE_HOME or ./runs)")
+    parser.add_argument("--db", help="the database URL (default: the data directory's SQLite file)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr, force=True)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+
+    def _terminate(signum, frame):
+        raise JobTerminated()
+
+    signal.signal(signal.SIGTERM, _terminate)
+    store = Store.open(args.home, args.db)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:  # under torchrun, rank 0 alone owns the run row (distributed training: issue 7)
+        log.info("rank %d: nothing to record", rank)
+        return 0
+    run = store.get_run(args.run_id)
+    if run.pid is None:  # started by hand rather than by a worker
+        store.set_process(args.run_id, pid=os.getpid(), pgid=os.getpgid(0) if os.getsid(0) == os.getpid() else None,
+                          host=socket.gethostname(), proc_key=process_key(os.getpid()))
+    log.info("run %d attempt %d in %s (pid %d; log %s)", args.run_id, run.attempt, run.run_dir, os.getpid(),
+             run.run_dir / LOG_FILE)
+    status = execute(store, args.run_id)
+    store.close()
+    return 0 if status in (s.SUCCEEDED, s.CANCELLED) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
