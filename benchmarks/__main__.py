@@ -6,7 +6,8 @@ carry over between machines even though the seconds do not:
   weighted-sum training, on the tiny model (steps interleaved so drift hits all three alike);
 - min_norm_qp: median time of one min_norm_weights solve for K=5 (target <= 1 ms);
 - peak_memory: training memory above the loaded model (peak RSS growth, one process per strategy);
-- reward_speed: milliseconds per 64x64 image of each weight-free reward.
+- reward_speed: milliseconds per 64x64 image of each weight-free reward;
+- storage: the job writer's overhead per training step as a fraction of step time (benchmarks/storage.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from benchmarks.storage import bench_storage
 
 STRATEGIES = ("weighted_sum", "marble", "marble_full")
 
@@ -137,16 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--only", nargs="*", choices=["step_time", "qp", "memory", "rewards"])
+    parser.add_argument("--only", nargs="*", choices=["step_time", "qp", "memory", "rewards", "storage"])
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.memory_child:
         _memory_child(args.memory_child, args.steps)
         return 0
-    chosen = args.only or ["qp", "rewards", "step_time", "memory"]
+    chosen = args.only or ["qp", "rewards", "step_time", "memory", "storage"]
     runs = {"qp": bench_qp, "rewards": bench_rewards, "step_time": lambda: bench_step_time(args.steps),
-            "memory": lambda: bench_memory(min(args.steps, 12))}
+            "memory": lambda: bench_memory(min(args.steps, 12)),
+            "storage": lambda: bench_storage(args.steps)}
     for name in chosen:
         print(json.dumps(runs[name]()), flush=True)
     return 0
