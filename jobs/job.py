@@ -50,10 +50,16 @@ class Heartbeat(threading.Thread):
 
     def beat(self) -> None:
         try:
-            if self.writer.flush(heartbeat=True):
-                self.stop_requested.set()
+            stop = self.writer.flush(heartbeat=True)
         except Exception:  # noqa: BLE001 - a busy or unreachable database must not kill training
-            log.exception("heartbeat: could not write to the database; retrying")
+            log.exception("heartbeat: could not write the buffered rows; they stay buffered for the next beat")
+            try:  # a batch the database refuses must not silence the heartbeat too
+                stop = self.writer.store.heartbeat(self.writer.run_id)
+            except Exception:  # noqa: BLE001
+                log.exception("heartbeat: the database is unreachable; retrying")
+                return
+        if stop:
+            self.stop_requested.set()
 
     def run(self) -> None:
         while not self._done.wait(self.interval):

@@ -331,6 +331,10 @@ class Store:
                 conn.execute(update(s.runs).where(s.runs.c.id == run_id).values(**values))
             return bool(conn.execute(select(s.runs.c.cancel_requested).where(s.runs.c.id == run_id)).scalar())
 
+    def heartbeat(self, run_id: int) -> bool:
+        """Stamp heartbeat_at alone; returns the stop flag (the job's fallback when a batch fails)."""
+        return self.write_batch(run_id, Batch(), heartbeat=True)
+
     def add_evaluation(self, run_id: int, name: str, scores: dict, checkpoint_step: int | None = None,
                        details: dict | None = None) -> int:
         with self._tx() as conn:

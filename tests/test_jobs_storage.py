@@ -173,6 +173,13 @@ def test_a_step_cannot_be_stored_twice(store):
         writer.flush()
     assert writer.pending() > 0  # kept for a retry, not silently dropped
     assert len(store.metrics(run_id).rows) == KEYS_PER_STEP
+    from jobs.job import Heartbeat
+
+    before = store.get_run(run_id).heartbeat_at
+    store.request_cancel(run_id)
+    beat = Heartbeat(writer, interval=1.0)
+    beat.beat()  # the refused batch does not silence the heartbeat nor hide the stop flag
+    assert beat.should_stop() and (store.get_run(run_id).heartbeat_at or 0) > (before or 0)
 
 
 def test_state_transitions(store):
