@@ -9,7 +9,7 @@ export GRADIO_ANALYTICS_ENABLED := False
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run train test test-fast bench gpu-check clean
+.PHONY: setup run train browser test test-fast bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -20,13 +20,22 @@ $(STAMP): requirements.txt
 	$(BIN)/python -m pip check
 	@touch $(STAMP)
 
-# Until the web app lands: a short headless MARBLE run on the built-in default model.
+# The web app on http://127.0.0.1:7860 (GRADIO_SERVER_NAME / GRADIO_SERVER_PORT respected); it starts the
+# job worker, which keeps running queued jobs when the page is closed.
 run: $(STAMP)
-	$(BIN)/python -m core.train --preset tiny --out runs/quickstart --steps 20
+	$(BIN)/python -m app
 
-train: run
+# Headless: the default MARBLE run on the pretrained mini-world model (~10 min on 2 cores).
+train: $(STAMP)
+	$(BIN)/python -m core.train --preset mini-marble --out runs/mini-marble
 
-test: $(STAMP)
+# Browser tests drive Debian's Chromium through Playwright (never `playwright install`: no downloads).
+browser:
+	@test -x /usr/bin/chromium || { if [ "$$(id -u)" = 0 ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "note: /usr/bin/chromium is missing (sudo apt-get install chromium); browser tests will be skipped"; fi; }
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)

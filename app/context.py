@@ -1,0 +1,25 @@
+"""The web process's one Store, opened lazily (tests point MARBLE_HOME elsewhere before the first use)."""
+
+from __future__ import annotations
+
+import functools
+
+from jobs.storage import Store
+
+
+@functools.lru_cache(maxsize=1)
+def store() -> Store:
+    return Store.open()
+
+
+def run_choices(statuses: tuple[str, ...] | None = None) -> list[tuple[str, int]]:
+    """Dropdown choices ``("#12 marble · running 40/200", 12)``, newest first."""
+    return [(f"#{r.id} {r.name or r.strategy} · {r.status} {r.step}/{r.total_steps}", r.id)
+            for r in store().list_runs(status=list(statuses) if statuses else None)]
+
+
+def fmt_seconds(x: float | None) -> str:
+    if x is None:
+        return "—"
+    x = int(round(x))
+    return f"{x // 3600}h{x % 3600 // 60:02d}m" if x >= 3600 else f"{x // 60}m{x % 60:02d}s"

@@ -1,0 +1,187 @@
+"""The "new run" form, generated from ``TrainConfig``: one field per config leaf, help text from the
+config's own field docstrings, choices from the registries. Form values -> ``TrainConfig`` goes through
+the config's validation, and its error message is shown to the user word for word.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from core import config as cfgmod
+from core.cache import model_available
+from core.config import ConfigError, TrainConfig, available_presets, preset
+
+# Leaves that get their own widgets elsewhere on the form (rewards table, stages text) or are internal.
+SKIP = {"rewards", "balance.stages", "model.lora_targets", "prompts.sources", "balance.single_reward",
+        "model.device"}
+SECTIONS = ("balance", "model", "prompts", "sampling", "nft", "advantage", "optim", "")
+SECTION_TITLES = {"balance": "Strategy and MARBLE knobs", "model": "Model and LoRA", "prompts": "Prompts",
+                  "sampling": "Sampling (rollouts)", "nft": "DiffusionNFT loss", "advantage": "Advantages",
+                  "optim": "Optimizer", "": "Run"}
+
+
+@dataclass(frozen=True)
+class FormField:
+    path: str  # dotted config path, e.g. "balance.ema_rho"
+    label: str
+    kind: str  # "int" | "float" | "bool" | "choice" | "text"
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+
+
+@functools.lru_cache(maxsize=1)
+def _field_docs() -> dict[tuple[str, str], str]:
+    """(dataclass name, field name) -> the docstring written under the field in core/config.py."""
+    tree = ast.parse(inspect.getsource(cfgmod))
+    docs = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        body = node.body
+        for a, b in zip(body, body[1:]):
+            if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+                    and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
+                docs[(node.name, a.target.id)] = " ".join(b.value.value.replace("``", "").split())
+    return docs
+
+
+def _choices(path: str) -> tuple[str, ...]:
+    if path == "balance.strategy":
+        from core.balancing import available_balancers
+
+        return tuple(available_balancers())
+    return {"advantage.std_mode": cfgmod.STD_MODES, "balance.refresh_scope": cfgmod.REFRESH_SCOPES,
+            "model.dtype": cfgmod.DTYPES, "prompts.split": ("train", "test")}.get(path, ())
+
+
+def form_fields(base: TrainConfig | None = None) -> list[FormField]:
+    """Every editable leaf of TrainConfig, grouped by section, with defaults from ``base``."""
+    base = base or preset(default_preset())
+    docs = _field_docs()
+    out: list[FormField] = []
+
+    def walk(obj: Any, prefix: str) -> None:
+        hints = typing.get_type_hints(type(obj))
+        for f in dataclasses.fields(obj):
+            path = f"{prefix}.{f.name}" if prefix else f.name
+            value = getattr(obj, f.name)
+            if path in SKIP:
+                continue
+            if dataclasses.is_dataclass(value):
+                walk(value, path)
+                continue
+            t = hints[f.name]
+            choices = _choices(path)
+            if choices:
+                kind = "choice"
+            elif t is bool:
+                kind = "bool"
+            elif t is int:
+                kind = "int"
+            elif t is float:
+                kind = "float"
+            else:
+                kind = "text"
+            label = f.name.replace("_", " ")
+            out.append(FormField(path, label, kind, value, docs.get((type(obj).__name__, f.name), ""), choices))
+
+    walk(base, "")
+    order = {s: i for i, s in enumerate(SECTIONS)}
+    return sorted(out, key=lambda f: order.get(f.path.split(".")[0] if "." in f.path else "", len(order)))
+
+
+def section_of(field: FormField) -> str:
+    return field.path.split(".")[0] if "." in field.path else ""
+
+
+def default_preset() -> str:
+    names = list(available_presets())
+    return next((n for n in names if n.startswith("mini-marble")), names[0])
+
+
+def selectable_presets() -> list[str]:
+    """Presets whose model is available here (the SD3.5 preset only when its weights are present)."""
+    out = []
+    for name in available_presets():
+        model = preset(name).model.name
+        if "/" in model and not model_available(model):
+            continue
+        out.append(name)
+    return out
+
+
+def parse_weights(text: str, rewards: list[str]) -> dict[str, float]:
+    """'colorfulness=2, brightness=0.5' -> weights; rewards not named keep weight 1."""
+    weights = {r: 1.0 for r in rewards}
+    for part in filter(None, (p.strip() for p in (text or "").replace(";", ",").split(","))):
+        if "=" not in part:
+            raise ConfigError("reward weights", part, "write name=weight pairs separated by commas, "
+                                                      "e.g. colorfulness=2, brightness=0.5")
+        name, value = (x.strip() for x in part.split("=", 1))
+        if name not in weights:
+            raise ConfigError("reward weights", name, f"is not a selected reward; selected: {', '.join(rewards)}")
+        try:
+            weights[name] = float(value)
+        except ValueError:
+            raise ConfigError("reward weights", part, "the weight must be a number") from None
+    return weights
+
+
+def parse_stages(text: str) -> list[dict]:
+    """'colorfulness:80; jpeg_compressibility+brightness:40' -> [{rewards, steps}, ...]."""
+    stages = []
+    for part in filter(None, (p.strip() for p in (text or "").replace("\n", ";").split(";"))):
+        if ":" not in part:
+            raise ConfigError("stages", part, "write reward+reward:steps, stages separated by ';', "
+                                              "e.g. colorfulness:80; brightness+contrast:40")
+        names, steps = part.rsplit(":", 1)
+        try:
+            n = int(steps.strip())
+        except ValueError:
+            raise ConfigError("stages", part, "the number of steps after ':' must be an integer") from None
+        stages.append({"rewards": [r.strip() for r in names.split("+") if r.strip()], "steps": n})
+    return stages
+
+
+def format_stages(stages: list) -> str:
+    return "; ".join("+".join(s.rewards) + f":{s.steps}" for s in stages)
+
+
+def build_config(preset_name: str, values: dict[str, Any], rewards: list[str], weights_text: str,
+                 stages_text: str, single_reward: str | None, sources: list[str]) -> TrainConfig:
+    """Form values -> a validated TrainConfig (raises ConfigError with the message to show)."""
+    base = preset(preset_name)
+    data = base.to_dict()
+    for path, value in values.items():
+        node = data
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = _coerce(value, node[leaf], path)
+    if not rewards:
+        raise ConfigError("rewards", [], "select at least one reward")
+    kwargs = {r["name"]: r.get("kwargs", {}) for r in data["rewards"]}
+    weights = parse_weights(weights_text, rewards)
+    data["rewards"] = [{"name": r, "weight": weights[r], "kwargs": kwargs.get(r, {})} for r in rewards]
+    data["balance"]["stages"] = parse_stages(stages_text)
+    data["balance"]["single_reward"] = single_reward or None
+    data["prompts"]["sources"] = list(sources)
+    return TrainConfig.from_dict(data)
+
+
+def _coerce(value: Any, current: Any, path: str) -> Any:
+    """Gradio numbers arrive as floats; ints must stay ints so validation sees the user's value."""
+    if isinstance(current, bool):
+        return bool(value)
+    if isinstance(current, int) and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if value is None:
+        raise ConfigError(path, value, "is empty; enter a value")
+    return value

@@ -1,0 +1,1 @@
+"""One module per page: handlers (plain functions) -> layout -> event wiring."""

@@ -1,0 +1,136 @@
+"""Compare: checkpoints of any runs (and base models) side by side on prompts with fixed seeds, generated
+in a background job; per-image reward scores; an A/B image slider; saved grids can be reopened."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import gradio as gr
+
+from app import context
+
+
+def entry_choices() -> list[tuple[str, str]]:
+    """("#3 marble · step 200", json entry) for every checkpoint, plus each run model's base model."""
+    store = context.store()
+    choices, bases = [], {}
+    for run in store.list_runs():
+        detail = store.get_run(run.id)
+        cfg = detail.config
+        common = {"model": cfg["model"]["name"], "resolution": cfg["sampling"]["resolution"],
+                  "max_sequence_length": cfg["sampling"]["max_sequence_length"], "rewards": cfg["rewards"]}
+        bases.setdefault(common["model"], {**common, "label": f"base {common['model']}", "lora": None,
+                                           "run_id": None})
+        for ck in store.checkpoints(run.id):
+            if ck["exists"]:
+                label = f"#{run.id} {run.name or run.strategy} · step {ck['step']}"
+                entry = {**common, "label": label, "lora": ck["path"], "run_id": run.id}
+                choices.append((label, json.dumps(entry)))
+    return [(b["label"], json.dumps(b)) for b in bases.values()] + choices
+
+
+def saved_choices() -> list[tuple[str, int]]:
+    return [(f"#{c['id']} {c['name']} · {(c.get('result') or {}).get('status', '?')}", c["id"])
+            for c in reversed(context.store().comparisons())]
+
+
+def start(name: str, picked: list[str], prompts_text: str, seeds_text: str, steps: float,
+          guidance: float) -> tuple[str, Any]:
+    from jobs.compare import start_comparison
+
+    try:
+        seeds = [int(s) for s in seeds_text.replace(",", " ").split()]
+    except ValueError:
+        return f"**Not started.** `seeds={seeds_text!r}: write integers separated by commas, e.g. 0, 1`", gr.skip()
+    prompts = [p.strip() for p in (prompts_text or "").splitlines() if p.strip()]
+    entries = [json.loads(p) for p in picked or []]
+    try:
+        cid = start_comparison(context.store(), (name or "").strip() or "comparison", entries, prompts, seeds,
+                               int(steps), float(guidance))
+    except ValueError as e:
+        return f"**Not started.** `{e}`", gr.skip()
+    return f"Comparison **#{cid}** generating in the background…", gr.update(choices=saved_choices(), value=cid)
+
+
+def grid(comparison_id: Any) -> tuple[str, list, list[str], Any]:
+    """(status markdown, gallery items row-major, row labels for the A/B slider, slider update)."""
+    if comparison_id is None:
+        return "No comparison selected.", [], [], gr.update(choices=[])
+    row = context.store().get_comparison(int(comparison_id))
+    result = row.get("result") or {}
+    status = result.get("status", "queued")
+    if status == "failed":
+        return f"**Failed:** `{result.get('error')}`", [], [], gr.update(choices=[])
+    if status != "done":
+        return f"Comparison #{row['id']} is **{status}** — the grid appears when it is done.", [], [], gr.skip()
+    items, labels = [], []
+    for i, r in enumerate(result["rows"]):
+        labels.append(f"{i}: {r['prompt']} (seed {r['seed']})")
+        for c in r["cells"]:
+            scores = " · ".join(f"{k[:10]} {v:.3g}" for k, v in c["scores"].items()
+                                if isinstance(v, (int, float)) and math.isfinite(v))
+            items.append((c["path"], f"{c['label']} | {r['prompt']} s{r['seed']}\n{scores}"))
+    n = len(result["rows"][0]["cells"]) if result["rows"] else 1
+    md = (f"Comparison #{row['id']} **{row['name']}**: {len(result['rows'])} prompt×seed rows × {n} columns "
+          f"({result.get('seconds', 0):.1f} s). Columns: "
+          + ", ".join(c["label"] for c in result["rows"][0]["cells"]))
+    return md, gr.update(value=items, columns=max(1, min(n, 8))), labels, gr.update(
+        choices=labels, value=labels[0] if labels else None)
+
+
+def slider_pair(comparison_id: Any, row_label: str | None, a: int, b: int) -> Any:
+    if comparison_id is None or not row_label:
+        return None
+    result = context.store().get_comparison(int(comparison_id)).get("result") or {}
+    if result.get("status") != "done":
+        return None
+    cells = result["rows"][int(row_label.split(":", 1)[0])]["cells"]
+    a, b = min(int(a), len(cells) - 1), min(int(b), len(cells) - 1)
+    return (cells[a]["path"], cells[b]["path"])
+
+
+def build(timer: gr.Timer) -> dict:
+    with gr.Row():
+        with gr.Column(scale=2):
+            picked = gr.Dropdown(choices=[], multiselect=True, label="Checkpoints and base models (two or more)",
+                                 elem_id="compare-entries")
+            refresh = gr.Button("Reload checkpoints", elem_id="compare-reload")
+            prompts = gr.Textbox(label="Prompts (one per line)", lines=4, value="a red circle\na blue square",
+                                 elem_id="compare-prompts")
+        with gr.Column(scale=1):
+            name = gr.Textbox(label="Name", value="comparison", elem_id="compare-name")
+            seeds = gr.Textbox(label="Seeds", value="0, 1", elem_id="compare-seeds")
+            steps = gr.Number(label="Denoising steps", value=10, precision=0)
+            guidance = gr.Number(label="Guidance scale", value=1.0)
+            go_btn = gr.Button("Generate side by side", variant="primary", elem_id="compare-start")
+    status = gr.Markdown(elem_id="compare-status")
+    saved = gr.Dropdown(choices=[], label="Saved comparisons", elem_id="compare-saved")
+    gallery = gr.Gallery(label="Grid (one row per prompt and seed, one column per checkpoint)", columns=4,
+                         height=520, elem_id="compare-gallery")
+    with gr.Row():
+        row_pick = gr.Dropdown(choices=[], label="A/B row", elem_id="compare-row")
+        a_idx = gr.Number(label="A column", value=0, precision=0)
+        b_idx = gr.Number(label="B column", value=1, precision=0)
+    slider = gr.ImageSlider(label="A/B", elem_id="compare-slider")
+    done = gr.State(None)
+
+    refresh.click(lambda: (gr.update(choices=entry_choices()), gr.update(choices=saved_choices())), None,
+                  [picked, saved])
+    go_btn.click(start, [name, picked, prompts, seeds, steps, guidance], [status, saved])
+    saved.change(grid, saved, [status, gallery, done, row_pick])
+
+    def poll(cid, shown):
+        if cid is None:
+            return gr.skip(), gr.skip(), shown, gr.skip(), gr.skip()
+        md, items, labels, upd = grid(cid)
+        if labels == shown and labels:
+            return gr.skip(), gr.skip(), shown, gr.skip(), gr.skip()
+        finished = bool(labels) or md.startswith("**Failed")
+        return md, items, labels, upd, gr.update(choices=saved_choices()) if finished else gr.skip()
+
+    timer.tick(poll, [saved, done], [status, gallery, done, row_pick, saved], show_progress="hidden")
+    for comp in (row_pick, a_idx, b_idx):
+        comp.change(slider_pair, [saved, row_pick, a_idx, b_idx], slider)
+    return {"entries": picked, "refresh": refresh}

@@ -1,0 +1,171 @@
+"""Run dashboard, live while the run trains: one timer, incremental reads, figures replaced only when
+new rows arrived (so nothing flickers), ``uirevision`` keeps the user's zoom."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import gradio as gr
+
+from app import context, plots
+
+MAX_POINTS = 1500  # per metric key: beyond this the series is re-read down-sampled
+REFRESH_SECONDS = 2.0
+
+
+# ---- incremental cache ----------------------------------------------------------------------------
+
+def new_cache(run_id: int | None) -> dict:
+    return {"run_id": run_id, "series": {}, "last_step": 0, "balance": [], "last_balance": 0, "points": 0}
+
+
+def refresh_cache(cache: dict | None, run_id: int) -> tuple[dict, bool]:
+    """Read what is new since the last refresh; returns (cache, changed). The first read of a long run
+    is down-sampled to MAX_POINTS steps per key; later reads append only the new steps."""
+    store = context.store()
+    if not cache or cache.get("run_id") != run_id:
+        cache = new_cache(run_id)
+        series = store.metrics(run_id, max_points=MAX_POINTS)
+        cache["series"] = {k: (list(x), list(y)) for k, (x, y) in series.by_key().items()}
+        cache["last_step"] = series.last_step
+        cache["balance"] = store.balance(run_id, max_points=MAX_POINTS)
+        cache["last_balance"] = cache["balance"][-1]["step"] if cache["balance"] else 0
+        cache["points"] = max((len(x) for x, _ in cache["series"].values()), default=0)
+        return cache, True
+    series = store.metrics(run_id, since_step=cache["last_step"])
+    rows = store.balance(run_id, since_step=cache["last_balance"])
+    if not series.rows and not rows:
+        return cache, False
+    for key, (xs, ys) in series.by_key().items():
+        old = cache["series"].setdefault(key, ([], []))
+        old[0].extend(xs)
+        old[1].extend(ys)
+    cache["last_step"] = max(cache["last_step"], series.last_step)
+    cache["balance"].extend(rows)
+    if rows:
+        cache["last_balance"] = rows[-1]["step"]
+    cache["points"] = max((len(x) for x, _ in cache["series"].values()), default=0)
+    if cache["points"] > 2 * MAX_POINTS:  # keep the browser light on very long runs
+        return refresh_cache(None, run_id)
+    return cache, True
+
+
+def reward_names(run_id: int) -> list[str]:
+    return [r["name"] for r in context.store().get_run(run_id).config.get("rewards", [])]
+
+
+def header(run_id: int) -> str:
+    r = context.store().get_run(run_id)
+    pct = 100 * r.progress
+    eta = f" · ETA {context.fmt_seconds(r.eta_seconds)}" if r.eta_seconds is not None else ""
+    err = f"\n\n**Error:** `{r.error.strip().splitlines()[-1]}`" if r.error else ""
+    bar = (f"<div class='progress-outer'><div class='progress-inner' style='width:{pct:.1f}%'></div></div>")
+    return (f"### #{r.id} {r.name or ''} — {r.status}\n{r.strategy} · step {r.step}/{r.total_steps} "
+            f"({pct:.0f}%){eta} · {r.device or 'device n/a'}{err}\n\n{bar}")
+
+
+def figures(cache: dict, names: list[str], smoothing: float, cos_index: int | None) -> tuple[Any, ...]:
+    rows = cache["balance"]
+    cos_row = rows[-1] if rows and cos_index is None else (rows[min(cos_index, len(rows) - 1)] if rows else None)
+    return (plots.reward_curves(cache["series"], names, smoothing),
+            plots.alpha_trajectories(rows, cache["series"], names),
+            plots.cosine_heatmap(cos_row),
+            plots.conflict_panels(rows, names))
+
+
+def gallery_items(run_id: int, step: int | None) -> tuple[list, Any]:
+    store = context.store()
+    steps = store.sample_steps(run_id)
+    if not steps:
+        return [], plots.specialist_structure([], [])
+    step = step if step in steps else steps[-1]
+    samples = store.samples(run_id, step=step)
+    names = reward_names(run_id)
+    items = []
+    for s in samples:
+        scores = " · ".join(f"{n[:10]} {v:.3g}" for n in names
+                            if isinstance(v := (s.get("rewards") or {}).get(n), (int, float)) and math.isfinite(v))
+        items.append((s["image"], f"{s['prompt']} (seed {s['seed']})\n{scores}"))
+    return items, plots.specialist_structure(samples, names)
+
+
+def _sample_steps_update(cache: dict, run_id: int) -> Any:
+    """New sample steps move the gallery to the newest; unchanged ones leave it alone (no reload)."""
+    steps = context.store().sample_steps(run_id)
+    if steps == cache.get("sample_steps"):
+        return gr.skip()
+    cache["sample_steps"] = steps
+    return gr.update(choices=steps, value=steps[-1] if steps else None)
+
+
+# ---- layout --------------------------------------------------------------------------------------
+
+def build(timer: gr.Timer) -> dict:
+    cache = gr.State(None)
+    with gr.Row():
+        run_box = gr.Dropdown(choices=[], label="Run", elem_id="dash-run", scale=3)
+        smoothing = gr.Slider(0, 0.98, value=0.6, step=0.02, label="Reward smoothing", scale=2)
+        reload_btn = gr.Button("Reload runs", scale=1, elem_id="dash-reload")
+    head = gr.Markdown("Pick a run. Runs appear here as soon as they are queued.", elem_id="dash-header")
+    reward_plot = gr.Plot(label="Rewards", elem_id="plot-rewards")
+    alpha_plot = gr.Plot(label="α", elem_id="plot-alpha")
+    with gr.Row():
+        cos_plot = gr.Plot(label="Cosines", elem_id="plot-cosine")
+        cos_step = gr.Slider(0, 1, value=0, step=1, label="Diagnosed step (index; right = latest)",
+                             elem_id="cos-step")
+    conflict_plot = gr.Plot(label="Conflicts", elem_id="plot-conflict")
+    with gr.Row():
+        sample_step = gr.Dropdown(choices=[], label="Sample step", elem_id="sample-step")
+    spec_plot = gr.Plot(label="Specialist structure", elem_id="plot-specialist")
+    gallery = gr.Gallery(label="Samples (per-reward scores in captions)", columns=8, height=360,
+                         elem_id="gallery")
+
+    def load_choices():
+        choices = context.run_choices()
+        return gr.update(choices=choices, value=choices[0][1] if choices else None)
+
+    def on_tick(run_id, cache_state, smooth, cos_idx):
+        if run_id is None:
+            return (cache_state, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
+        cache_state, changed = refresh_cache(cache_state, int(run_id))
+        head_md = header(int(run_id))
+        if not changed:
+            return (cache_state, head_md, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
+        n = len(cache_state["balance"])
+        at_end = cache_state.get("cos_follow", True)  # follow the newest step unless the user moved away
+        figs = figures(cache_state, reward_names(int(run_id)), smooth, None if at_end else int(cos_idx))
+        slider = gr.update(maximum=max(n - 1, 1), value=max(n - 1, 0)) if at_end else gr.update(maximum=max(n - 1, 1))
+        return (cache_state, head_md, *figs, slider, _sample_steps_update(cache_state, int(run_id)))
+
+    def on_run(run_id, smooth):
+        if run_id is None:
+            return (None, "Pick a run.", *[plots.empty_figure("", "No run selected.")] * 4, gr.update(),
+                    gr.update(choices=[]))
+        c, _ = refresh_cache(None, int(run_id))
+        figs = figures(c, reward_names(int(run_id)), smooth, None)
+        n = len(c["balance"])
+        return (c, header(int(run_id)), *figs, gr.update(maximum=max(n - 1, 1), value=max(n - 1, 0)),
+                _sample_steps_update(c, int(run_id)))
+
+    def on_cos(run_id, cache_state, idx):
+        if run_id is None or not cache_state or not cache_state["balance"]:
+            return cache_state, gr.skip()
+        rows = cache_state["balance"]
+        cache_state["cos_follow"] = int(idx) >= len(rows) - 1  # back at the right end: follow again
+        return cache_state, plots.cosine_heatmap(rows[min(int(idx), len(rows) - 1)])
+
+    def on_smooth(run_id, cache_state, smooth):
+        if run_id is None or not cache_state:
+            return gr.skip()
+        return plots.reward_curves(cache_state["series"], reward_names(int(run_id)), smooth)
+
+    outs = [cache, head, reward_plot, alpha_plot, cos_plot, conflict_plot, cos_step, sample_step]
+    reload_btn.click(load_choices, None, run_box)
+    run_box.change(on_run, [run_box, smoothing], outs)
+    timer.tick(on_tick, [run_box, cache, smoothing, cos_step], outs, show_progress="hidden")
+    cos_step.release(on_cos, [run_box, cache, cos_step], [cache, cos_plot])
+    smoothing.release(on_smooth, [run_box, cache, smoothing], reward_plot)
+    sample_step.change(lambda r, s: gallery_items(int(r), s) if r is not None else ([], gr.skip()),
+                       [run_box, sample_step], [gallery, spec_plot])
+    return {"run": run_box, "load_choices": load_choices}

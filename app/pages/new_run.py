@@ -1,0 +1,138 @@
+"""New run: a form generated from TrainConfig; "Start" queues one run, "Start study" the same budget
+with several strategies. Validation errors are shown next to the form word for word; nothing starts."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import gradio as gr
+
+from app import context
+from app.forms import (SECTION_TITLES, FormField, build_config, default_preset, form_fields, format_stages,
+                       section_of, selectable_presets)
+from core.config import ConfigError, preset
+from core.prompts import available_sources
+from core.rewards import available_rewards
+
+STUDY_DEFAULT = ["marble", "weighted_sum", "equal"]
+
+
+# ---- handlers ------------------------------------------------------------------------------------
+
+def preset_values(preset_name: str, fields: list[FormField]) -> list[Any]:
+    """Every widget's value for a preset, in the order of ``widgets()``'s outputs."""
+    cfg = preset(preset_name)
+    data = cfg.to_dict()
+    values = []
+    for f in fields:
+        node: Any = data
+        for part in f.path.split("."):
+            node = node[part]
+        values.append(node)
+    weights = ", ".join(f"{r.name}={r.weight:g}" for r in cfg.rewards if r.weight != 1.0)
+    return [*values, cfg.reward_names, weights, format_stages(cfg.balance.stages), cfg.balance.single_reward,
+            list(cfg.prompts.sources)]
+
+
+def start(preset_name: str, run_name: str, rewards: list[str], weights: str, stages: str, single: str | None,
+          sources: list[str], fields: list[FormField], values: list[Any]) -> tuple[str, str]:
+    """(error markdown, status markdown). On a bad value: the config's message verbatim, nothing queued."""
+    from jobs.runner import ensure_worker, submit
+
+    try:
+        cfg = build_config(preset_name, {f.path: v for f, v in zip(fields, values)}, rewards, weights, stages,
+                           single, sources)
+    except ConfigError as e:
+        return f"**Not started.** `{e}`", ""
+    run_id = submit(context.store(), cfg, preset=preset_name, name=(run_name or "").strip() or None)
+    ensure_worker(context.store())
+    return "", f"Queued run **#{run_id}** ({cfg.balance.strategy}, {cfg.steps} steps). Open it in *Dashboard*."
+
+
+def start_study(preset_name: str, run_name: str, rewards: list[str], weights: str, stages: str, single: str | None,
+                sources: list[str], strategies: list[str], fields: list[FormField],
+                values: list[Any]) -> tuple[str, str]:
+    """The same config and budget once per strategy; all validated before any is queued."""
+    from jobs.runner import ensure_worker, submit
+
+    if len(strategies) < 2:
+        return "**Not started.** `study: pick at least two strategies to compare`", ""
+    label = (run_name or "").strip() or time.strftime("study %m-%d %H:%M")
+    configs = []
+    try:
+        for strategy in strategies:
+            vals = {f.path: (strategy if f.path == "balance.strategy" else v) for f, v in zip(fields, values)}
+            configs.append(build_config(preset_name, vals, rewards, weights, stages, single, sources))
+    except ConfigError as e:
+        return f"**Not started** (strategy {strategy}). `{e}`", ""
+    ids = [submit(context.store(), c, preset=preset_name, name=f"{label} · {c.balance.strategy}") for c in configs]
+    ensure_worker(context.store())
+    return "", f"Queued study **{label}**: runs {', '.join(f'#{i}' for i in ids)} (same budget, one per strategy)."
+
+
+# ---- layout --------------------------------------------------------------------------------------
+
+def _widget(f: FormField) -> gr.components.Component:
+    common = dict(label=f.label, info=f.help or None, elem_id=f"field-{f.path.replace('.', '-')}")
+    if f.kind == "bool":
+        return gr.Checkbox(value=f.default, **common)
+    if f.kind == "int":
+        return gr.Number(value=f.default, precision=0, **common)
+    if f.kind == "float":
+        return gr.Number(value=f.default, **common)
+    if f.kind == "choice":
+        return gr.Dropdown(choices=list(f.choices), value=f.default, **common)
+    return gr.Textbox(value=str(f.default), **common)
+
+
+def build() -> dict:
+    first = default_preset()
+    fields = form_fields(preset(first))
+    rewards = list(available_rewards())
+    base = preset(first)
+    with gr.Column():
+        gr.Markdown("Start a training run on the queue. Every field below is a `TrainConfig` field, with what "
+                    "it does under its name; a bad value is refused with the rule it breaks.")
+        with gr.Row():
+            preset_box = gr.Dropdown(choices=selectable_presets(), value=first, label="Preset", elem_id="preset",
+                                     info="Fills every field below; change any of them afterwards.")
+            name_box = gr.Textbox(label="Run name (optional)", elem_id="run-name")
+        with gr.Row():
+            reward_box = gr.CheckboxGroup(choices=rewards, value=base.reward_names, label="Rewards",
+                                          elem_id="rewards")
+            source_box = gr.CheckboxGroup(choices=list(available_sources()), value=list(base.prompts.sources),
+                                          label="Prompt sources", elem_id="sources")
+        with gr.Row():
+            weights_box = gr.Textbox(label="Reward weights (weighted_sum only)", placeholder="colorfulness=2, "
+                                     "brightness=0.5", elem_id="weights")
+            stages_box = gr.Textbox(label="Stages (sequential only)", value=format_stages(base.balance.stages),
+                                    placeholder="colorfulness:80; jpeg_compressibility+brightness:40",
+                                    elem_id="stages")
+            single_box = gr.Dropdown(choices=rewards, value=base.balance.single_reward, label="Single reward "
+                                     "(single only)", elem_id="single-reward")
+        widgets: list[gr.components.Component] = []
+        for section in SECTION_TITLES:
+            group = [f for f in fields if section_of(f) == section]
+            if not group:
+                continue
+            with gr.Accordion(SECTION_TITLES[section], open=section in ("balance", "")):
+                with gr.Row(equal_height=False):
+                    for f in group:
+                        widgets.append(_widget(f))
+        error = gr.Markdown(elem_id="form-error", elem_classes=["form-error"])
+        with gr.Row():
+            start_btn = gr.Button("Start run", variant="primary", elem_id="start-run")
+            study_strats = gr.CheckboxGroup(choices=[c for c in fields[0].choices], value=STUDY_DEFAULT,
+                                            label="Study: strategies", elem_id="study-strategies")
+            study_btn = gr.Button("Start study", elem_id="start-study")
+        status = gr.Markdown(elem_id="start-status")
+
+    extras = [reward_box, weights_box, stages_box, single_box, source_box]
+    preset_box.input(lambda p: preset_values(p, fields), preset_box, widgets + extras)
+    start_btn.click(lambda p, n, r, w, st, si, so, *vals: start(p, n, r, w, st, si, so, fields, list(vals)),
+                    [preset_box, name_box, *extras, *widgets], [error, status])
+    study_btn.click(lambda p, n, r, w, st, si, so, strats, *vals: start_study(p, n, r, w, st, si, so, strats, fields,
+                                                                               list(vals)),
+                    [preset_box, name_box, *extras, study_strats, *widgets], [error, status])
+    return {"preset": preset_box, "widgets": widgets, "fields": fields, "extras": extras, "name": name_box}

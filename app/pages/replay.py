@@ -1,0 +1,41 @@
+"""Replay: re-solve ᾱ offline from a run's stored Gram matrices with another ρ, N or normalization."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from app import context, plots
+from app.replay import replay
+
+
+def render(run_id, rho: float, refresh_every: float, normalize: bool):
+    if run_id is None:
+        return plots.empty_figure("Replay", "Pick a run."), ""
+    run = context.store().get_run(int(run_id))
+    names = [r["name"] for r in run.config["rewards"]]
+    rows = context.store().balance(int(run_id))
+    try:
+        res = replay(rows, names, float(rho), int(refresh_every), bool(normalize))
+    except ValueError as e:
+        return plots.empty_figure("Replay", str(e)), f"`{e}`"
+    label = f"ρ={rho:g}, N={int(refresh_every)}, {'normalized' if normalize else 'raw'}"
+    fig = plots.replay_figure(res.steps, res.recorded, res.replayed, names, label)
+    note = (f"{len(res.steps)} stored Gram matrices; the replay solved at {len(res.solves)} of them. "
+            "Replay solves only where the run stored a Gram matrix (full and diagnostic steps).")
+    return fig, note
+
+
+def build() -> dict:
+    with gr.Row():
+        run = gr.Dropdown(choices=[], label="Run", elem_id="replay-run", scale=3)
+        reload_btn = gr.Button("Reload runs", scale=1, elem_id="replay-reload")
+    with gr.Row():
+        rho = gr.Slider(0, 0.95, value=0.7, step=0.05, label="ρ (EMA)", elem_id="replay-rho")
+        every = gr.Number(value=10, precision=0, label="N (solve every N steps)", elem_id="replay-n")
+        normalize = gr.Checkbox(value=True, label="Normalize gradients", elem_id="replay-normalize")
+    fig = gr.Plot(elem_id="plot-replay")
+    note = gr.Markdown(elem_id="replay-note")
+    reload_btn.click(lambda: gr.update(choices=context.run_choices()), None, run)
+    for comp in (run, rho, every, normalize):
+        comp.change(render, [run, rho, every, normalize], [fig, note])
+    return {"run": run}

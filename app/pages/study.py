@@ -1,0 +1,95 @@
+"""Study: several runs side by side — a Table-1 style table (per-reward means, composite improvement),
+a Pareto scatter of any two rewards, ᾱ trajectories overlaid; CSV export (PNG: each plot's camera
+button)."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from typing import Any
+
+import gradio as gr
+import pandas as pd
+
+from app import context, plots
+
+WINDOW = 0.1  # share of a run's steps averaged for its start and end values
+
+
+def _window_mean(xs: list[int], ys: list[float | None], last: bool) -> float | None:
+    pairs = [(x, y) for x, y in zip(xs, ys) if y is not None and math.isfinite(y)]
+    if not pairs:
+        return None
+    n = max(1, int(len(pairs) * WINDOW))
+    chosen = pairs[-n:] if last else pairs[:n]
+    return sum(y for _, y in chosen) / len(chosen)
+
+
+def study_table(run_ids: list[int]) -> tuple[pd.DataFrame, list[dict]]:
+    """Per run: the mean of each reward over the last 10% of steps, its change from the first 10% in
+    units of the first steps' within-batch std, and the composite (sum over rewards) — the paper's
+    Table 1 on training prompts; held-out evaluations (core.evaluate) are added where stored."""
+    store = context.store()
+    rows, points = [], []
+    for rid in run_ids:
+        run = store.get_run(rid)
+        names = [r["name"] for r in run.config["rewards"]]
+        series = store.metrics(rid, keys=[f"reward/{n}" for n in names] + [f"reward_std/{n}" for n in names],
+                               max_points=2000).by_key()
+        row: dict[str, Any] = {"run": f"#{rid} {run.name or ''}".strip(), "strategy": run.strategy,
+                               "steps": run.step}
+        composite, scores = 0.0, {}
+        for n in names:
+            xs, ys = series.get(f"reward/{n}", ([], []))
+            end, start = _window_mean(xs, ys, True), _window_mean(xs, ys, False)
+            sx, sy = series.get(f"reward_std/{n}", ([], []))
+            std = _window_mean(sx, sy, False)
+            row[n] = end
+            scores[n] = end
+            if end is not None and start is not None and std:
+                delta = (end - start) / std
+                row[f"Δ{n} (σ)"] = delta
+                composite += delta
+        row["composite (σ)"] = composite
+        for ev in store.evaluations(rid):
+            for n, v in (ev.get("scores") or {}).items():
+                row[f"eval:{ev['name']}:{n}"] = v
+        rows.append(row)
+        points.append({"label": row["run"], "scores": scores, "balance": store.balance(rid, max_points=500)})
+    return pd.DataFrame(rows), points
+
+
+def render(run_ids: list[int], x_reward: str | None, y_reward: str | None):
+    if not run_ids:
+        empty = plots.empty_figure("Study", "Pick two or more runs.")
+        return pd.DataFrame(), empty, empty, gr.update(choices=[]), gr.update(choices=[]), None
+    df, points = study_table([int(r) for r in run_ids])
+    names = sorted({k for p in points for k in p["scores"]})
+    x = x_reward if x_reward in names else (names[0] if names else None)
+    y = y_reward if y_reward in names else (names[1] if len(names) > 1 else x)
+    pareto = plots.pareto_scatter(points, x, y) if x else plots.empty_figure("Pareto", "No rewards.")
+    overlay = plots.alpha_overlay(points, names)
+    path = tempfile.NamedTemporaryFile(prefix="marble_study_", suffix=".csv", delete=False).name
+    df.to_csv(path, index=False)
+    return (df.round(4), pareto, overlay, gr.update(choices=names, value=x), gr.update(choices=names, value=y),
+            path)
+
+
+def build() -> dict:
+    with gr.Row():
+        runs = gr.Dropdown(choices=[], multiselect=True, label="Runs", elem_id="study-runs", scale=4)
+        reload_btn = gr.Button("Reload runs", scale=1, elem_id="study-reload")
+    table = gr.Dataframe(label="Per-reward means (last 10% of steps) and improvement in σ units",
+                         interactive=False, elem_id="study-table")
+    with gr.Row():
+        x_pick = gr.Dropdown(choices=[], label="Pareto x", elem_id="study-x")
+        y_pick = gr.Dropdown(choices=[], label="Pareto y", elem_id="study-y")
+        csv = gr.File(label="CSV export", elem_id="study-csv")
+    pareto = gr.Plot(label="Pareto", elem_id="plot-pareto")
+    overlay = gr.Plot(label="ᾱ overlay", elem_id="plot-overlay")
+    reload_btn.click(lambda: gr.update(choices=context.run_choices()), None, runs)
+    outs = [table, pareto, overlay, x_pick, y_pick, csv]
+    runs.change(render, [runs, x_pick, y_pick], outs)
+    x_pick.input(render, [runs, x_pick, y_pick], outs)
+    y_pick.input(render, [runs, x_pick, y_pick], outs)
+    return {"runs": runs}

@@ -1,0 +1,254 @@
+"""Figure builders: plain data in (what jobs.storage returns), a Plotly figure out. No I/O, no state.
+
+Every builder returns a figure with a clear title; with no data it returns an empty figure whose
+annotation says why (an empty state, never a blank box). ``uirevision`` keeps the user's zoom when a
+live refresh replaces the figure.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#EECA3B", "#9D755D", "#BAB0AC")
+
+
+def colour(i: int) -> str:
+    return PALETTE[i % len(PALETTE)]
+
+
+def _layout(fig: go.Figure, title: str, revision: Any = "keep", height: int = 360) -> go.Figure:
+    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=15)), height=height, template="plotly_white",
+                      margin=dict(l=50, r=20, t=50, b=40), uirevision=revision,
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
+    return fig
+
+
+def empty_figure(title: str, message: str) -> go.Figure:
+    fig = go.Figure()
+    fig.add_annotation(text=message, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5,
+                       font=dict(size=14, color="#666"))
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return _layout(fig, title, revision=None, height=300)
+
+
+def _finite(values: Iterable[float | None]) -> list[float | None]:
+    return [v if v is not None and math.isfinite(v) else None for v in values]
+
+
+def ema(values: Sequence[float | None], weight: float) -> list[float | None]:
+    """Bias-corrected exponential moving average (TensorBoard-style smoothing); None values are skipped."""
+    out: list[float | None] = []
+    acc, norm = 0.0, 0.0
+    for v in values:
+        if v is None or not math.isfinite(v):
+            out.append(None)
+            continue
+        acc = weight * acc + (1 - weight) * v
+        norm = weight * norm + (1 - weight)
+        out.append(acc / norm)
+    return out
+
+
+# ---- per-run dashboards --------------------------------------------------------------------------
+
+def reward_curves(series: dict[str, tuple[list[int], list[float | None]]], reward_names: Sequence[str],
+                  smoothing: float = 0.6, revision: Any = "rewards") -> go.Figure:
+    """One panel per reward: the raw per-step mean (faint) and its smoothed curve."""
+    names = [n for n in reward_names if f"reward/{n}" in series]
+    if not names:
+        return empty_figure("Rewards", "No steps recorded yet: rewards appear after the first training step.")
+    fig = make_subplots(rows=1, cols=len(names), subplot_titles=names, horizontal_spacing=0.06)
+    for i, name in enumerate(names):
+        steps, values = series[f"reward/{name}"]
+        values = _finite(values)
+        fig.add_trace(go.Scatter(x=steps, y=values, mode="lines", line=dict(color=colour(i), width=1),
+                                 opacity=0.35, name=f"{name} (raw)", showlegend=False), row=1, col=i + 1)
+        fig.add_trace(go.Scatter(x=steps, y=ema(values, smoothing), mode="lines",
+                                 line=dict(color=colour(i), width=2.5), name=name, showlegend=False),
+                      row=1, col=i + 1)
+        fig.update_xaxes(title_text="step", row=1, col=i + 1)
+    return _layout(fig, f"Mean reward per step (smoothing {smoothing:g})", revision)
+
+
+def alpha_trajectories(balance_rows: Sequence[dict], applied: dict[str, tuple[list[int], list[float | None]]],
+                       reward_names: Sequence[str], revision: Any = "alpha") -> go.Figure:
+    """α* of every solve (markers), ᾱ (EMA, line), the α applied on each step (dotted), and 1/K."""
+    if not balance_rows and not any(f"alpha/{n}" in applied for n in reward_names):
+        return empty_figure("Balancing coefficients α",
+                            "No coefficients yet: they appear after the first full (harmonized) step.")
+    fig = go.Figure()
+    full = [r for r in balance_rows if r.get("phase") == "full"]
+    for i, name in enumerate(reward_names):
+        c = colour(i)
+        if f"alpha/{name}" in applied:
+            steps, values = applied[f"alpha/{name}"]
+            fig.add_trace(go.Scatter(x=steps, y=_finite(values), mode="lines", line=dict(color=c, width=1, dash="dot"),
+                                     name=f"{name} applied", legendgroup=name, showlegend=False))
+        if full:
+            xs = [r["step"] for r in full]
+            fig.add_trace(go.Scatter(x=xs, y=_finite(r["alpha_ema"].get(name) for r in full), mode="lines",
+                                     line=dict(color=c, width=2.5), name=f"{name} ᾱ (EMA)", legendgroup=name))
+            fig.add_trace(go.Scatter(x=xs, y=_finite(r["alpha_raw"].get(name) for r in full), mode="markers",
+                                     marker=dict(color=c, size=7, symbol="circle-open"), name=f"{name} α* (solve)",
+                                     legendgroup=name, showlegend=False))
+    k = len(reward_names)
+    if k:
+        fig.add_hline(y=1 / k, line=dict(color="#888", dash="dash", width=1),
+                      annotation_text=f"uniform 1/K = {1 / k:.3g}", annotation_position="top left")
+    fig.update_yaxes(title_text="α", range=[-0.02, 1.02])
+    fig.update_xaxes(title_text="step")
+    return _layout(fig, "Balancing coefficients: α* per solve (circles), ᾱ (lines), applied (dotted)", revision)
+
+
+def cosine_heatmap(row: dict | None, revision: Any = "cos") -> go.Figure:
+    """The K×K cosine matrix of the per-reward gradients at one diagnosed step."""
+    if not row or not row.get("cosine"):
+        return empty_figure("Gradient cosines", "No diagnosed step yet: cosines appear after the first full or "
+                                                "diagnostic step.")
+    names = row["cosine"]["names"]
+    z = [[None if v is None or not math.isfinite(v) else v for v in r] for r in row["cosine"]["matrix"]]
+    text = [["n/a" if v is None else f"{v:+.2f}" for v in r] for r in z]
+    fig = go.Figure(go.Heatmap(z=z, x=names, y=names, zmin=-1, zmax=1, colorscale="RdBu", text=text,
+                               texttemplate="%{text}", hovertemplate="%{y} · %{x}: %{z:.3f}<extra></extra>",
+                               colorbar=dict(title="cos")))
+    fig.update_yaxes(autorange="reversed")
+    return _layout(fig, f"Cosine between reward gradients at step {row['step']} ({row.get('phase', '')})", revision,
+                   height=380)
+
+
+def conflict_panels(balance_rows: Sequence[dict], reward_names: Sequence[str],
+                    revision: Any = "conflict") -> go.Figure:
+    """Each reward's cosine with the applied update over steps, and min / mean / variance across rewards,
+    with the conflict rate: the share of diagnosed steps where some reward's cosine is negative."""
+    rows = [r for r in balance_rows if r.get("cos_to_update")]
+    if not rows:
+        return empty_figure("Conflicts with the update", "No diagnosed step yet.")
+    stats = conflict_stats(rows, reward_names)
+    fig = make_subplots(rows=2, cols=2, shared_xaxes=True, vertical_spacing=0.14, horizontal_spacing=0.08,
+                        subplot_titles=("cos(g_k, update) per reward", "min over rewards",
+                                        "mean over rewards", "variance over rewards"))
+    xs = stats["steps"]
+    for i, name in enumerate(reward_names):
+        fig.add_trace(go.Scatter(x=xs, y=_finite(r["cos_to_update"].get(name) for r in rows), mode="lines+markers",
+                                 marker=dict(size=4), line=dict(color=colour(i)), name=name), row=1, col=1)
+    fig.add_trace(go.Scatter(x=xs, y=stats["min"], mode="lines+markers", marker=dict(size=4),
+                             line=dict(color="#E45756"), name="min", showlegend=False), row=1, col=2)
+    fig.add_trace(go.Scatter(x=xs, y=stats["mean"], mode="lines+markers", marker=dict(size=4),
+                             line=dict(color="#4C78A8"), name="mean", showlegend=False), row=2, col=1)
+    fig.add_trace(go.Scatter(x=xs, y=stats["var"], mode="lines+markers", marker=dict(size=4),
+                             line=dict(color="#54A24B"), name="variance", showlegend=False), row=2, col=2)
+    for r, c in ((1, 1), (1, 2), (2, 1)):
+        fig.add_hline(y=0, line=dict(color="#999", width=1, dash="dash"), row=r, col=c)
+    rate = stats["conflict_rate"]
+    title = ("Reward gradients vs the applied update — conflict rate "
+             f"{'n/a' if rate is None else f'{100 * rate:.0f}%'} of {len(xs)} diagnosed steps")
+    fig = _layout(fig, title, revision, height=540)
+    fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.08, xanchor="left", x=0.0))
+    return fig
+
+
+def conflict_stats(rows: Sequence[dict], reward_names: Sequence[str]) -> dict:
+    """Per diagnosed step: min, mean and variance over the valid rewards of cos(g_k, update), and the
+    conflict rate (share of steps whose min is negative)."""
+    steps, mins, means, variances = [], [], [], []
+    for r in rows:
+        vals = [v for n in reward_names if (v := r["cos_to_update"].get(n)) is not None and math.isfinite(v)]
+        steps.append(r["step"])
+        if not vals:
+            mins.append(None), means.append(None), variances.append(None)
+            continue
+        m = sum(vals) / len(vals)
+        mins.append(min(vals))
+        means.append(m)
+        variances.append(sum((v - m) ** 2 for v in vals) / len(vals))
+    known = [m for m in mins if m is not None]
+    rate = (sum(m < 0 for m in known) / len(known)) if known else None
+    return {"steps": steps, "min": mins, "mean": means, "var": variances, "conflict_rate": rate}
+
+
+def specialist_structure(samples: Sequence[dict], reward_names: Sequence[str], revision: Any = "spec") -> go.Figure:
+    """Samples × rewards heatmap of the advantages (blank where a reward does not apply): which
+    sample is informative for which reward (the paper's Fig. 2)."""
+    if not samples:
+        return empty_figure("Specialist structure", "No samples stored for this step (see sample_every).")
+    z, labels = [], []
+    for s in samples:
+        adv = s.get("advantages") or {}
+        z.append([None if (v := adv.get(n)) is None or not math.isfinite(v) else v for n in reward_names])
+        labels.append(f"#{s.get('idx', len(labels))} {s.get('prompt', '')[:40]}")
+    fig = go.Figure(go.Heatmap(z=z, x=list(reward_names), y=labels, zmid=0, colorscale="RdBu",
+                               colorbar=dict(title="A"),
+                               hovertemplate="%{y}<br>%{x}: A = %{z:.2f}<extra></extra>"))
+    fig.update_yaxes(autorange="reversed", showticklabels=len(samples) <= 48)
+    step = samples[0].get("step")
+    return _layout(fig, f"Advantages per sample and reward at step {step} (blank = not applicable)", revision,
+                   height=max(320, min(900, 16 * len(samples) + 120)))
+
+
+# ---- studies across runs -------------------------------------------------------------------------
+
+def pareto_scatter(points: Sequence[dict], x_reward: str, y_reward: str) -> go.Figure:
+    """One point per run (or checkpoint): its mean of two rewards, labelled by run; the Pareto front
+    (no other point better on both) is joined by a line."""
+    pts = [p for p in points if _num(p["scores"].get(x_reward)) is not None
+           and _num(p["scores"].get(y_reward)) is not None]
+    if not pts:
+        return empty_figure("Pareto view", f"No run has both {x_reward} and {y_reward} scores yet.")
+    xs = [p["scores"][x_reward] for p in pts]
+    ys = [p["scores"][y_reward] for p in pts]
+    front = sorted((i for i in range(len(pts)) if not any(
+        xs[j] >= xs[i] and ys[j] >= ys[i] and (xs[j] > xs[i] or ys[j] > ys[i]) for j in range(len(pts)))),
+        key=lambda i: xs[i])
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=[xs[i] for i in front], y=[ys[i] for i in front], mode="lines",
+                             line=dict(color="#999", dash="dash"), name="Pareto front"))
+    for i, p in enumerate(pts):
+        fig.add_trace(go.Scatter(x=[xs[i]], y=[ys[i]], mode="markers+text", text=[p["label"]],
+                                 textposition="top center", marker=dict(size=12, color=colour(i)), name=p["label"]))
+    fig.update_xaxes(title_text=x_reward)
+    fig.update_yaxes(title_text=y_reward)
+    return _layout(fig, f"{y_reward} vs {x_reward} (higher is better on both)", None, height=420)
+
+
+def alpha_overlay(runs: Sequence[dict], reward_names: Sequence[str]) -> go.Figure:
+    """ᾱ trajectories of several runs overlaid: one colour per reward, one dash style per run."""
+    dashes = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
+    fig = go.Figure()
+    for j, run in enumerate(runs):
+        rows = [r for r in run["balance"] if r.get("alpha_ema")]
+        for i, name in enumerate(reward_names):
+            if not rows:
+                continue
+            fig.add_trace(go.Scatter(x=[r["step"] for r in rows], y=_finite(r["alpha_ema"].get(name) for r in rows),
+                                     mode="lines", line=dict(color=colour(i), dash=dashes[j % len(dashes)]),
+                                     name=f"{run['label']} · {name}"))
+    if not fig.data:
+        return empty_figure("α across runs", "None of the selected runs has balancing rows yet.")
+    fig.update_yaxes(title_text="ᾱ", range=[-0.02, 1.02])
+    fig.update_xaxes(title_text="step")
+    return _layout(fig, "ᾱ per reward (colour) and run (dash)", None, height=420)
+
+
+def replay_figure(steps: Sequence[int], recorded: Sequence[Sequence[float]], replayed: Sequence[Sequence[float]],
+                  reward_names: Sequence[str], label: str) -> go.Figure:
+    """Recorded ᾱ (thin) against the ᾱ a re-solve with other settings would have produced (thick)."""
+    if not steps:
+        return empty_figure("Replay", "This run has no stored Gram matrices (no full or diagnostic steps yet).")
+    fig = go.Figure()
+    for i, name in enumerate(reward_names):
+        fig.add_trace(go.Scatter(x=list(steps), y=[r[i] for r in recorded], mode="lines",
+                                 line=dict(color=colour(i), width=1.2, dash="dot"), name=f"{name} recorded"))
+        fig.add_trace(go.Scatter(x=list(steps), y=[r[i] for r in replayed], mode="lines+markers",
+                                 marker=dict(size=5), line=dict(color=colour(i), width=2.5), name=f"{name} {label}"))
+    fig.update_yaxes(title_text="ᾱ", range=[-0.02, 1.02])
+    fig.update_xaxes(title_text="step")
+    return _layout(fig, f"Replay: recorded ᾱ (dotted) vs {label} (solid)", None, height=420)
+
+
+def _num(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None

@@ -1,0 +1,232 @@
+"""The web app in a real browser (Playwright driving Debian Chromium): a person's path through it.
+
+A server (``python -m app``) runs on a free loopback port with its own data directory; it starts the job
+worker itself, exactly as ``make run`` does. Skipped with the reason when Chromium or Playwright is
+missing (``make test`` installs both where it can).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
+        "--no-first-run", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
+SCREENSHOTS = os.environ.get("MARBLE_SCREENSHOTS")  # a folder: the test also saves page screenshots there
+
+if not Path(CHROMIUM).exists():
+    pytest.skip(f"browser tests need Debian's chromium at {CHROMIUM} (apt-get install chromium)",
+                allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need `pip install playwright`")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("marble_home")
+    port = free_port()
+    env = {**os.environ, "MARBLE_HOME": str(home), "GRADIO_SERVER_PORT": str(port), "HF_HUB_OFFLINE": "1",
+           "GRADIO_ANALYTICS_ENABLED": "False", "MARBLE_POLL_SECONDS": "0.5", "PYTHONPATH": str(ROOT)}
+    log = open(home / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 180
+    import urllib.request
+
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError((home / "server.log").read_text()[-3000:])
+            time.sleep(1)
+    else:
+        raise RuntimeError("the app did not answer in 180 s")
+    yield {"url": url, "home": home}
+    os.killpg(proc.pid, 15)
+    subprocess.run(["pkill", "-f", f"MARBLE_HOME={home}"], check=False)
+    # stop the detached worker (and any job it runs) of this data directory
+    lock = home / "worker.lock"
+    if lock.exists() and lock.read_text().strip().isdigit():
+        try:
+            os.killpg(int(lock.read_text().strip()), 15)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait(timeout=30)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+        pg.goto(server["url"])
+        pg.wait_for_selector("#app-title", timeout=60_000)
+        yield pg
+        browser.close()
+
+
+def shot(page, name: str) -> None:
+    if SCREENSHOTS:
+        Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(SCREENSHOTS) / f"{name}.png"), full_page=True)
+
+
+def tab(page, name: str) -> None:
+    page.get_by_role("tab", name=name).click()
+    page.wait_for_timeout(300)
+
+
+def set_field(page, path: str, value) -> None:
+    from app.forms import SECTION_TITLES
+
+    box = page.locator(f"#field-{path.replace('.', '-')} input")
+    if not box.is_visible():  # its section is folded: open it as a person would
+        section = path.split(".")[0] if "." in path else ""
+        page.get_by_text(SECTION_TITLES[section], exact=True).first.click()
+        box.wait_for(state="visible", timeout=10_000)
+    box.fill(str(value))
+    box.press("Tab")
+
+
+def small_run(page, steps: int, name: str, **extra) -> None:
+    tab(page, "New run")
+    page.locator("#preset input").fill("tiny")
+    page.locator("#preset input").press("Enter")
+    page.wait_for_timeout(800)
+    page.locator("#run-name textarea, #run-name input").first.fill(name)
+    fields = {"steps": steps, "sampling.num_steps": 4, "sampling.prompts_per_step": 2,
+              "sampling.images_per_prompt": 4, "nft.micro_batch_size": 8, "num_threads": 1,
+              "balance.refresh_every": 2, "sample_every": 1, "checkpoint_every": 1, **extra}
+    for path, value in fields.items():
+        set_field(page, path, value)
+    page.locator("#start-run").click()
+
+
+def plot_traces(page, elem: str) -> int:
+    return page.evaluate(f"() => {{ const p = document.querySelector('#{elem} .js-plotly-plot');"
+                         f" return p && p.data ? p.data.length : 0; }}")
+
+
+def wait_for_traces(page, elem: str, timeout: float = 90_000) -> None:
+    page.wait_for_function(f"() => {{ const p = document.querySelector('#{elem} .js-plotly-plot');"
+                           f" return p && p.data && p.data.length > 0; }}", timeout=timeout)
+
+
+def test_a_bad_form_value_shows_its_error_and_starts_nothing(page, server):
+    tab(page, "New run")
+    set_field(page, "balance.ema_rho", 1.5)
+    page.locator("#start-run").click()
+    error = page.locator("#form-error")
+    error.get_by_text("balance.ema_rho=1.5: must be a number in [0, 1)").wait_for(timeout=20_000)
+    shot(page, "new-run-error")
+    from jobs.storage import Store
+
+    with Store.open(server["home"]) as store:
+        assert store.list_runs() == []
+    set_field(page, "balance.ema_rho", 0.7)
+
+
+def test_start_a_run_watch_it_train_then_cancel_it(page, server):
+    small_run(page, steps=200, name="long run")
+    page.locator("#start-status").get_by_text("Queued run").wait_for(timeout=20_000)
+    shot(page, "new-run")
+    tab(page, "Dashboard")
+    page.locator("#dash-reload").click()
+    page.wait_for_timeout(1500)
+    page.locator("#dash-run input").click()
+    page.get_by_role("option", name="long run").first.click()
+    # The run trains: the header shows progress and the plots fill with data.
+    deadline = time.time() + 240
+    while time.time() < deadline and not (plot_traces(page, "plot-rewards") > 0
+                                          and plot_traces(page, "plot-alpha") > 0
+                                          and plot_traces(page, "plot-conflict") > 0):
+        page.wait_for_timeout(1000)
+    assert plot_traces(page, "plot-rewards") > 0 and plot_traces(page, "plot-alpha") > 0
+    assert plot_traces(page, "plot-cosine") > 0 and plot_traces(page, "plot-conflict") > 0
+    page.locator("#dash-header").get_by_text("running").wait_for(timeout=30_000)
+    page.locator("#gallery img").first.wait_for(timeout=60_000)
+    page.locator("#gallery").scroll_into_view_if_needed()  # gallery images load lazily
+    page.wait_for_function("() => [...document.querySelectorAll('#gallery img')].some(i => i.naturalWidth > 0)",
+                           timeout=30_000)
+    shot(page, "dashboard")
+
+    tab(page, "Runs")
+    page.locator("#runs-pick input").click()
+    page.get_by_role("option", name="long run").first.click()
+    page.locator("#run-cancel").click()
+    page.locator("#runs-message").get_by_text("cancel requested").wait_for(timeout=20_000)
+    page.wait_for_function("() => document.querySelector('#runs-table').innerText.includes('cancelled')",
+                           timeout=90_000)
+    shot(page, "runs")
+
+
+def test_compare_two_checkpoints_side_by_side(page, server):
+    small_run(page, steps=2, name="short run")
+    page.locator("#start-status").get_by_text("Queued run").wait_for(timeout=20_000)
+    from jobs.storage import Store
+
+    with Store.open(server["home"]) as store:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            runs = [r for r in store.list_runs() if r.name == "short run"]
+            if runs and runs[0].status in ("succeeded", "failed"):
+                break
+            time.sleep(1)
+        assert runs and runs[0].status == "succeeded", runs
+    tab(page, "Compare")
+    page.locator("#compare-reload").click()
+    page.wait_for_timeout(1500)
+    entries = page.locator("#compare-entries input")
+    for label in ("short run · step 1", "short run · step 2"):
+        entries.click()
+        page.get_by_role("option", name=label).first.click()
+    page.locator("#compare-prompts textarea").fill("a red circle\na blue square")
+    page.locator("#compare-seeds input, #compare-seeds textarea").first.fill("0")
+    page.locator("#compare-start").click()
+    page.locator("#compare-status").get_by_text("Columns:").wait_for(timeout=240_000)
+    images = page.locator("#compare-gallery img")
+    images.nth(3).wait_for(timeout=30_000)  # 2 prompts x 2 checkpoints
+    assert images.count() >= 4
+    page.locator("#compare-gallery").scroll_into_view_if_needed()
+    page.wait_for_function("() => [...document.querySelectorAll('#compare-gallery img')]"
+                           ".filter(i => i.naturalWidth > 0).length >= 4", timeout=30_000)
+    status = page.locator("#compare-status").inner_text()
+    assert "step 1" in status and "step 2" in status
+    shot(page, "compare")
+
+
+def test_study_and_replay_pages_render_the_runs(page, server):
+    tab(page, "Study")
+    page.locator("#study-reload").click()
+    page.wait_for_timeout(1000)
+    for name in ("long run", "short run"):
+        page.locator("#study-runs input").click()
+        page.get_by_role("option", name=name).first.click()
+    wait_for_traces(page, "plot-pareto")
+    shot(page, "study")
+    tab(page, "Replay")
+    page.locator("#replay-reload").click()
+    page.wait_for_timeout(1000)
+    page.locator("#replay-run input").click()
+    page.get_by_role("option", name="long run").first.click()
+    wait_for_traces(page, "plot-replay")  # the first replay compiles the QP
+    shot(page, "replay")

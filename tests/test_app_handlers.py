@@ -1,0 +1,142 @@
+"""The web app's handlers without a browser: plot builders, form conversion, replay, runs table."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app import plots
+from app.forms import build_config, form_fields, parse_stages, parse_weights
+from app.replay import gram_from_row, replay
+from core.config import ConfigError, preset
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMES = ["a", "b", "c"]
+
+
+def balance_row(step, cos, norms, alpha_raw, alpha_ema, cos_up, phase="full"):
+    return {"step": step, "phase": phase, "alpha_raw": dict(zip(NAMES, alpha_raw)),
+            "alpha_ema": dict(zip(NAMES, alpha_ema)), "cosine": {"names": NAMES, "matrix": cos},
+            "grad_norms": dict(zip(NAMES, norms)), "cos_to_update": dict(zip(NAMES, cos_up)),
+            "valid": {n: True for n in NAMES}, "solver": "cvxpy:OSQP:optimal"}
+
+
+def test_web_modules_do_not_import_torch():
+    code = ("import sys; import app.main, app.pages.dashboard, jobs.runner, jobs.compare; "
+            "bad = [m for m in ('torch', 'diffusers', 'transformers', 'cvxpy') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_reward_curves_have_raw_and_smoothed_traces_per_reward():
+    series = {"reward/a": ([1, 2, 3], [0.0, 1.0, None]), "reward/b": ([1, 2, 3], [1.0, 1.0, 1.0])}
+    fig = plots.reward_curves(series, ["a", "b", "missing"], smoothing=0.5)
+    assert len(fig.data) == 4  # raw + smoothed for a and b; "missing" has no data
+    assert fig.data[1].y == (0.0, pytest.approx(2 / 3), None)  # bias-corrected EMA skips None
+    assert fig.layout.uirevision == "rewards"
+    empty = plots.reward_curves({}, ["a"])
+    assert not empty.data and "No steps recorded yet" in empty.layout.annotations[0].text
+
+
+def test_ema_is_bias_corrected():
+    assert plots.ema([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])
+    assert plots.ema([0.0, 1.0], 0.0) == [0.0, 1.0]
+
+
+def test_alpha_trajectories_show_solves_ema_applied_and_uniform_line():
+    rows = [balance_row(1, np.eye(3).tolist(), [1, 1, 1], [0.2, 0.3, 0.5], [0.2, 0.3, 0.5], [0.5, 0.5, 0.5]),
+            balance_row(11, np.eye(3).tolist(), [1, 1, 1], [0.6, 0.2, 0.2], [0.32, 0.27, 0.41], [0.4, 0.4, 0.4])]
+    applied = {f"alpha/{n}": ([1, 2], [0.3, 0.3]) for n in NAMES}
+    fig = plots.alpha_trajectories(rows, applied, NAMES)
+    assert len(fig.data) == 9  # applied + EMA + solves per reward
+    ema_a = next(t for t in fig.data if t.name == "a ᾱ (EMA)")
+    assert ema_a.y == (0.2, 0.32)
+    assert any(abs(s.y0 - 1 / 3) < 1e-12 for s in fig.layout.shapes)
+
+
+def test_cosine_heatmap_marks_invalid_entries():
+    cos = [[1.0, -0.5, None], [-0.5, 1.0, None], [None, None, None]]
+    fig = plots.cosine_heatmap(balance_row(7, cos, [1, 1, 0], [0.5, 0.5, 0], [0.5, 0.5, 0], [0.1, 0.1, None]))
+    z = fig.data[0].z
+    assert z[0][1] == -0.5 and z[2][2] is None and fig.data[0].text[2][2] == "n/a"
+    assert "step 7" in fig.layout.title.text
+
+
+def test_conflict_stats_and_rate():
+    rows = [balance_row(1, None, [1] * 3, [0] * 3, [0] * 3, [0.5, -0.1, 0.2]),
+            balance_row(2, None, [1] * 3, [0] * 3, [0] * 3, [0.5, 0.1, 0.2]),
+            balance_row(3, None, [1] * 3, [0] * 3, [0] * 3, [None, math.nan, 0.3])]
+    stats = plots.conflict_stats(rows, NAMES)
+    assert stats["min"] == [-0.1, 0.1, 0.3]
+    assert stats["mean"][0] == pytest.approx(0.2)
+    assert stats["var"][2] == 0.0
+    assert stats["conflict_rate"] == pytest.approx(1 / 3)
+    fig = plots.conflict_panels(rows, NAMES)
+    assert "conflict rate 33%" in fig.layout.title.text
+
+
+def test_specialist_structure_is_samples_by_rewards_with_blanks():
+    samples = [{"step": 4, "idx": 0, "prompt": "p", "advantages": {"a": 1.0, "b": None, "c": 0.5}},
+               {"step": 4, "idx": 1, "prompt": "q", "advantages": {"a": -1.0, "b": 2.0, "c": math.nan}}]
+    fig = plots.specialist_structure(samples, NAMES)
+    assert [list(r) for r in fig.data[0].z] == [[1.0, None, 0.5], [-1.0, 2.0, None]]
+
+
+def test_pareto_front_excludes_dominated_runs():
+    pts = [{"label": "A", "scores": {"x": 1.0, "y": 1.0}}, {"label": "B", "scores": {"x": 2.0, "y": 0.5}},
+           {"label": "C", "scores": {"x": 0.5, "y": 0.5}}]
+    fig = plots.pareto_scatter(pts, "x", "y")
+    front = fig.data[0]
+    assert list(front.x) == [1.0, 2.0] and list(front.y) == [1.0, 0.5]  # C is dominated by A
+
+
+def test_form_fields_cover_the_config_and_carry_help():
+    fields = {f.path: f for f in form_fields(preset("tiny"))}
+    assert fields["balance.ema_rho"].kind == "float" and fields["balance.ema_rho"].default == 0.7
+    assert fields["balance.refresh_every"].kind == "int"
+    assert fields["balance.strategy"].kind == "choice" and "marble" in fields["balance.strategy"].choices
+    assert "N: full harmonization" in fields["balance.refresh_every"].help
+    assert fields["balance.normalize"].kind == "bool"
+
+
+def test_form_values_become_a_validated_config_or_the_exact_error():
+    values = {"balance.ema_rho": 0.5, "steps": 7.0, "balance.strategy": "weighted_sum"}
+    cfg = build_config("tiny", values, ["colorfulness", "brightness"], "colorfulness=2", "", None, ["tiny"])
+    assert cfg.balance.ema_rho == 0.5 and cfg.steps == 7 and isinstance(cfg.steps, int)
+    assert [(r.name, r.weight) for r in cfg.rewards] == [("colorfulness", 2.0), ("brightness", 1.0)]
+    with pytest.raises(ConfigError, match=r"balance.ema_rho=1.5: must be a number in \[0, 1\)"):
+        build_config("tiny", {"balance.ema_rho": 1.5}, ["colorfulness"], "", "", None, ["tiny"])
+    with pytest.raises(ConfigError, match="select at least one reward"):
+        build_config("tiny", {}, [], "", "", None, ["tiny"])
+    with pytest.raises(ConfigError, match="is not a selected reward"):
+        parse_weights("sharpness=2", ["colorfulness"])
+    assert parse_stages("a:3; b+c:4") == [{"rewards": ["a"], "steps": 3}, {"rewards": ["b", "c"], "steps": 4}]
+    with pytest.raises(ConfigError, match="must be an integer"):
+        parse_stages("a:x")
+
+
+def test_replay_reconstructs_grams_and_reproduces_the_recorded_ema():
+    rng = np.random.default_rng(0)
+    rows = []
+    from core.balancing import min_norm_weights
+
+    ema = None
+    for step in (1, 11, 21):
+        g = rng.normal(size=(3, 8))
+        norms = np.linalg.norm(g, axis=1)
+        cos = (g @ g.T) / np.outer(norms, norms)
+        alpha = min_norm_weights(cos)
+        ema = alpha if ema is None else 0.7 * ema + 0.3 * alpha
+        rows.append(balance_row(step, cos.tolist(), norms.tolist(), alpha.tolist(), ema.tolist(), [0, 0, 0]))
+        np.testing.assert_allclose(gram_from_row(rows[-1], NAMES), g @ g.T, atol=1e-9)
+    same = replay(rows, NAMES, ema_rho=0.7, refresh_every=10)
+    np.testing.assert_allclose(same.replayed, same.recorded, atol=1e-6)
+    no_ema = replay(rows, NAMES, ema_rho=0.0, refresh_every=10)
+    np.testing.assert_allclose(no_ema.replayed[-1], [r["alpha_raw"][n] for n in NAMES for r in rows[-1:]],
+                               atol=1e-6)
+    sparse = replay(rows, NAMES, ema_rho=0.7, refresh_every=20)
+    assert sparse.solves == [1, 21]
