@@ -135,6 +135,9 @@ class SamplingConfig:
     max_sequence_length: int = 8
     """T5 token budget (DiffusionNFT: 128). A pipeline without T5 pads this many zero tokens: keep it
     small there (each one costs attention time and carries nothing)."""
+    rollout_batch_size: int = 0
+    """Images generated per sampler call (0 = the whole batch at once). Bounds rollout memory on large
+    models; each image depends only on its own seed either way."""
 
     @property
     def batch_size(self) -> int:
@@ -154,6 +157,8 @@ class SamplingConfig:
                  "must be an integer >= 2 (a group of one has no advantage)")
         _require(_is_int(self.max_sequence_length) and 1 <= self.max_sequence_length <= 512,
                  f"{prefix}.max_sequence_length", self.max_sequence_length, "must be an integer in [1, 512]")
+        _require(_is_int(self.rollout_batch_size) and self.rollout_batch_size >= 0, f"{prefix}.rollout_batch_size",
+                 self.rollout_batch_size, "must be an integer >= 0 (0 = the whole batch at once)")
 
 
 @dataclass
@@ -534,7 +539,7 @@ def sd35m_paper(num_gpus: int = PAPER_GPUS) -> TrainConfig:
                           dtype="bfloat16"),
         prompts=PromptConfig(sources=["nft-general", "nft-ocr", "nft-geneval"]),
         sampling=SamplingConfig(num_steps=25, guidance_scale=1.0, resolution=512, prompts_per_step=3 * num_gpus,
-                                images_per_prompt=24, max_sequence_length=128),
+                                images_per_prompt=24, max_sequence_length=128, rollout_batch_size=24),
         nft=NFTConfig(micro_batch_size=8),
         rewards=[RewardConfig(name) for name in PAPER_TRAINING_REWARDS],
         balance=BalanceConfig(strategy="marble", refresh_every=10, warmup_steps=1, ema_rho=0.7),

@@ -165,9 +165,15 @@ class Trainer:
             prompts, metadata, seeds = [prompts[i] for i in pick], [metadata[i] for i in pick], [seeds[i] for i in pick]
             groups = groups[indices]
         emb = encode_prompts(self.pipe, prompts, c.max_sequence_length, c.guidance_scale, self.device)
-        x0 = generate_latents(self.pipe, self.policy.velocity_old, emb, seeds, c.num_steps, c.guidance_scale,
-                              c.resolution, self.device)
-        images = decode_latents(self.pipe, x0)
+        chunk = c.rollout_batch_size or len(prompts)  # bounds sampler memory; images depend on seeds only
+        x0_parts, image_parts = [], []
+        for start in range(0, len(prompts), chunk):
+            part = list(range(start, min(start + chunk, len(prompts))))
+            x0 = generate_latents(self.pipe, self.policy.velocity_old, emb.index(part), seeds[start:start + chunk],
+                                  c.num_steps, c.guidance_scale, c.resolution, self.device)
+            x0_parts.append(x0)
+            image_parts.append(decode_latents(self.pipe, x0))
+        x0, images = torch.cat(x0_parts), torch.cat(image_parts)
         return Rollout(x0, images, prompts, metadata, seeds, groups, emb, self.sigmas)
 
     def _groups(self) -> torch.Tensor:

@@ -63,3 +63,14 @@ def test_bad_prompt_files_are_named(tmp_path):
     bad.write_text('{"prompt": "ok"}\n{"oops": 1}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: needs a non-empty \"prompt\""):
         load_source(f"file:{bad}")
+
+
+def test_chunked_rollouts_equal_whole_batch_rollouts(tmp_path):
+    from core.trainer import Trainer
+    from tests.helpers import small_config
+
+    whole = Trainer(small_config("marble"), tmp_path / "a").rollout(0)
+    chunked = Trainer(small_config("marble", **{"sampling.rollout_batch_size": 3}), tmp_path / "b").rollout(0)
+    assert chunked.seeds == whole.seeds and chunked.prompts == whole.prompts
+    assert torch.allclose(chunked.x0, whole.x0, atol=1e-5)
+    assert torch.allclose(chunked.images, whole.images, atol=1e-5)
