@@ -98,12 +98,18 @@ def bench_reads(store, steps: int = 20_000) -> dict:
 
 
 def bench_storage(steps: int = 20) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench_storage_") as tmp:
+        return _bench_storage(steps, Path(tmp))
+
+
+def _bench_storage(steps: int, tmp: Path) -> dict:
     from core.trainer import Trainer
     from jobs.job import Heartbeat
     from jobs.storage import Store
     from jobs.writer import EventWriter
 
-    home = Path(tempfile.mkdtemp(prefix="bench_storage_"))
+    home = tmp / "home"
+    home.mkdir()
     store = Store(f"sqlite:///{home / 'marble.db'}", home)
     cfg = _config(steps + 1)
     run_id = store.create_run(cfg.to_dict(), strategy=cfg.balance.strategy, total_steps=cfg.steps)
@@ -112,7 +118,7 @@ def bench_storage(steps: int = 20) -> dict:
     writer = EventWriter(store, run_id, run_dir)
     heartbeat = Heartbeat(writer, 1.0)
     with_writer = Trainer(cfg, run_dir, on_event=writer, should_stop=heartbeat.should_stop)
-    without = Trainer(cfg, tempfile.mkdtemp(prefix="bench_storage_none_"))
+    without = Trainer(cfg, tmp / "without_writer")
     heartbeat.start()
     seconds: dict[str, list[float]] = {"with": [], "without": []}
     busy0 = cpu0 = 0.0
