@@ -153,6 +153,21 @@ def _flush_quietly(writer: EventWriter) -> None:
         log.exception("could not write the last rows")
 
 
+def _train_as_worker_rank(store: Store, run_id: int, rank: int) -> int:
+    """A non-zero rank of a torchrun job trains its share of every step and writes nothing: rank 0's stop
+    flag and resume checkpoint reach it through the process group (core.distributed)."""
+    from core.config import TrainConfig
+    from core.trainer import train
+
+    run = store.get_run(run_id)
+    log.info("rank %d of run %d: training its share", rank, run_id)
+    try:
+        train(TrainConfig.from_dict(run.config), run.run_dir)
+    finally:
+        store.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jobs.job", description="Run one claimed job (the worker "
                                      "starts this; use `python -m jobs worker`).")
@@ -170,9 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     store = Store.open(args.home, args.db)
     rank = int(os.environ.get("RANK", "0"))
-    if rank != 0:  # under torchrun, rank 0 alone owns the run row (distributed training: issue 7)
-        log.info("rank %d: nothing to record", rank)
-        return 0
+    if rank != 0:  # under torchrun, rank 0 alone owns the run row, events, stop flag and resume path
+        return _train_as_worker_rank(store, args.run_id, rank)
     run = store.get_run(args.run_id)
     if run.pid is None:  # started by hand rather than by a worker
         store.set_process(args.run_id, pid=os.getpid(), pgid=os.getpgid(0) if os.getsid(0) == os.getpid() else None,

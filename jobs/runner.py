@@ -202,12 +202,17 @@ def cancel(store: Store, run_id: int, *, wait: bool = True, settings: RunnerSett
 
 
 def job_command(run: RunDetail, store: Store, python: str = sys.executable) -> list[str]:
-    """The job's command line: ``python -m jobs.job RUN``, or under ``torchrun`` for several processes."""
-    job = ["-m", "jobs.job", str(run.id), "--home", str(store.home), "--db", store.url]
+    """The job's command line: ``python -m jobs.job RUN``, or under ``torchrun`` for several processes
+    (one node: a standalone rendezvous on a free port, so several jobs can share a host; several nodes:
+    this machine is node 0 at $MARBLE_MASTER_ADDR or its host name, and each other node runs the same
+    command with its --node-rank, see docs/distributed.md)."""
+    job = ["jobs.job", str(run.id), "--home", str(store.home), "--db", store.url]
     if run.num_processes <= 1 and run.num_nodes <= 1:
-        return [python, *job]
-    return [python, "-m", "torch.distributed.run", f"--nnodes={run.num_nodes}",
-            f"--nproc-per-node={run.num_processes}", *job]
+        return [python, "-m", *job]
+    from core.launch import torchrun_command
+
+    master = os.environ.get("MARBLE_MASTER_ADDR", socket.gethostname()) if run.num_nodes > 1 else None
+    return torchrun_command(run.num_processes, run.num_nodes, 0, master, module_args=job, python=python)
 
 
 def _exit_reason(code: int | None) -> str:

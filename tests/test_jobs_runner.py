@@ -406,9 +406,14 @@ def test_slots_follow_the_visible_gpus_and_multi_process_jobs_use_torchrun(tmp_p
     assert job_command(one, store, "py") == ["py", "-m", "jobs.job", str(one.id), "--home", str(store.home),
                                              "--db", store.url]
     many = store.get_run(store.create_run({}, strategy="marble", total_steps=1, num_processes=4, num_nodes=2))
-    assert job_command(many, store, "py") == ["py", "-m", "torch.distributed.run", "--nnodes=2",
-                                              "--nproc-per-node=4", "-m", "jobs.job", str(many.id), "--home",
+    monkeypatch.setenv("MARBLE_MASTER_ADDR", "node0")
+    assert job_command(many, store, "py") == ["py", "-m", "torch.distributed.run", "--nproc-per-node=4",
+                                              "--nnodes=2", "--node-rank=0", "--master-addr=node0",
+                                              "--master-port=29500", "-m", "jobs.job", str(many.id), "--home",
                                               str(store.home), "--db", store.url]
+    two = store.get_run(store.create_run({}, strategy="marble", total_steps=1, num_processes=2))
+    assert job_command(two, store, "py")[:6] == ["py", "-m", "torch.distributed.run", "--nproc-per-node=2",
+                                                 "--standalone", "--nnodes=1"]
     with pytest.raises(ValueError, match="num_processes=0: must be an integer >= 1"):
         submit(store, small_config(), num_processes=0)
     store.close()
