@@ -140,17 +140,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--only", nargs="*", choices=["step_time", "qp", "memory", "rewards", "storage"])
+    parser.add_argument("--only", nargs="*", choices=["step_time", "qp", "memory", "rewards", "storage",
+                                                      "dashboard", "soak"])
+    parser.add_argument("--soak-seconds", type=float, default=120.0)
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.memory_child:
         _memory_child(args.memory_child, args.steps)
         return 0
-    chosen = args.only or ["qp", "rewards", "step_time", "memory", "storage"]
+    chosen = args.only or ["qp", "rewards", "step_time", "memory", "storage", "dashboard", "soak"]
     runs = {"qp": bench_qp, "rewards": bench_rewards, "step_time": lambda: bench_step_time(args.steps),
             "memory": lambda: bench_memory(min(args.steps, 12)),
-            "storage": lambda: bench_storage(args.steps)}
+            "storage": lambda: bench_storage(args.steps),
+            "dashboard": bench_dashboard_refresh, "soak": lambda: bench_dashboard_soak(args.soak_seconds)}
     for name in chosen:
         print(json.dumps(runs[name]()), flush=True)
     return 0

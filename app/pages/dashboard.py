@@ -10,7 +10,7 @@ import gradio as gr
 
 from app import context, plots
 
-MAX_POINTS = 1500  # per metric key: beyond this the series is re-read down-sampled
+MAX_POINTS = 600  # per metric key (~1 point per 2 px of a wide plot): beyond, the series is re-read down-sampled
 REFRESH_SECONDS = 2.0
 
 
@@ -26,14 +26,14 @@ def refresh_cache(cache: dict | None, run_id: int) -> tuple[dict, bool]:
     store = context.store()
     if not cache or cache.get("run_id") != run_id:
         cache = new_cache(run_id)
-        series = store.metrics(run_id, max_points=MAX_POINTS)
+        series = store.metrics(run_id, keys=plotted_keys(run_id), max_points=MAX_POINTS)
         cache["series"] = {k: (list(x), list(y)) for k, (x, y) in series.by_key().items()}
         cache["last_step"] = series.last_step
         cache["balance"] = store.balance(run_id, max_points=MAX_POINTS)
         cache["last_balance"] = cache["balance"][-1]["step"] if cache["balance"] else 0
         cache["points"] = max((len(x) for x, _ in cache["series"].values()), default=0)
         return cache, True
-    series = store.metrics(run_id, since_step=cache["last_step"])
+    series = store.metrics(run_id, since_step=cache["last_step"], keys=plotted_keys(run_id))
     rows = store.balance(run_id, since_step=cache["last_balance"])
     if not series.rows and not rows:
         return cache, False
@@ -49,6 +49,11 @@ def refresh_cache(cache: dict | None, run_id: int) -> tuple[dict, bool]:
     if cache["points"] > 2 * MAX_POINTS:  # keep the browser light on very long runs
         return refresh_cache(None, run_id)
     return cache, True
+
+
+def plotted_keys(run_id: int) -> list[str]:
+    """The metric keys the dashboard draws: each reward's mean and its applied α."""
+    return [f"{prefix}/{n}" for n in reward_names(run_id) for prefix in ("reward", "alpha")]
 
 
 def reward_names(run_id: int) -> list[str]:
