@@ -176,6 +176,21 @@ def build_config(preset_name: str, values: dict[str, Any], rewards: list[str], w
     return TrainConfig.from_dict(data)
 
 
+def config_form_values(cfg: TrainConfig, fields: list[FormField]) -> list[Any]:
+    """A config as form values: one per generated field, then rewards, weights, stages, single reward and
+    prompt sources (the order of the New-run page's outputs)."""
+    data = cfg.to_dict()
+    values = []
+    for f in fields:
+        node: Any = data
+        for part in f.path.split("."):
+            node = node[part]
+        values.append(node)
+    weights = ", ".join(f"{r.name}={r.weight:g}" for r in cfg.rewards if r.weight != 1.0)
+    return [*values, cfg.reward_names, weights, format_stages(cfg.balance.stages), cfg.balance.single_reward,
+            list(cfg.prompts.sources)]
+
+
 def _coerce(value: Any, current: Any, path: str) -> Any:
     """Gradio numbers arrive as floats; ints must stay ints so validation sees the user's value."""
     if isinstance(current, bool):

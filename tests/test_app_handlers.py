@@ -140,3 +140,14 @@ def test_replay_reconstructs_grams_and_reproduces_the_recorded_ema():
                                atol=1e-6)
     sparse = replay(rows, NAMES, ema_rho=0.7, refresh_every=20)
     assert sparse.solves == [1, 21]
+
+
+def test_a_config_shown_in_the_form_builds_back_to_the_same_config():
+    from app.forms import config_form_values
+
+    cfg = preset("tiny-sequential").with_overrides({"balance.ema_rho": 0.3, "steps": 9})
+    fields = form_fields(cfg)
+    *values, rewards, weights, stages, single, sources = config_form_values(cfg, fields)
+    again = build_config("tiny", {f.path: v for f, v in zip(fields, values)}, rewards, weights, stages, single,
+                         sources)
+    assert again == cfg

@@ -9,8 +9,8 @@ from typing import Any
 import gradio as gr
 
 from app import context
-from app.forms import (SECTION_TITLES, FormField, build_config, default_preset, form_fields, format_stages,
-                       section_of, selectable_presets)
+from app.forms import (SECTION_TITLES, FormField, build_config, config_form_values, default_preset, form_fields,
+                       format_stages, section_of, selectable_presets)
 from core.config import ConfigError, preset
 from core.prompts import available_sources
 from core.rewards import available_rewards
@@ -21,18 +21,8 @@ STUDY_DEFAULT = ["marble", "weighted_sum", "equal"]
 # ---- handlers ------------------------------------------------------------------------------------
 
 def preset_values(preset_name: str, fields: list[FormField]) -> list[Any]:
-    """Every widget's value for a preset, in the order of ``widgets()``'s outputs."""
-    cfg = preset(preset_name)
-    data = cfg.to_dict()
-    values = []
-    for f in fields:
-        node: Any = data
-        for part in f.path.split("."):
-            node = node[part]
-        values.append(node)
-    weights = ", ".join(f"{r.name}={r.weight:g}" for r in cfg.rewards if r.weight != 1.0)
-    return [*values, cfg.reward_names, weights, format_stages(cfg.balance.stages), cfg.balance.single_reward,
-            list(cfg.prompts.sources)]
+    """Every widget's value for a preset, in the order of the page's outputs."""
+    return config_form_values(preset(preset_name), fields)
 
 
 def start(preset_name: str, run_name: str, rewards: list[str], weights: str, stages: str, single: str | None,

@@ -11,7 +11,7 @@ import gradio as gr
 import pandas as pd
 
 from app import context
-from app.forms import FormField, format_stages
+from app.forms import FormField, config_form_values
 
 COLUMNS = ["id", "name", "status", "progress", "ETA", "strategy", "rewards (latest mean)", "created"]
 
@@ -53,21 +53,12 @@ def act(action: str, run_id: Any) -> str:
 
 
 def duplicate_values(run_id: Any, fields: list[FormField]) -> list[Any]:
-    """A run's config as New-run form values (same order as new_run.preset_values)."""
+    """A run's preset, a name for the copy, and its config as New-run form values."""
     from core.config import TrainConfig
 
     run = context.store().get_run(int(run_id))
-    cfg = TrainConfig.from_dict(run.config)
-    data = cfg.to_dict()
-    values = []
-    for f in fields:
-        node: Any = data
-        for part in f.path.split("."):
-            node = node[part]
-        values.append(node)
-    weights = ", ".join(f"{r.name}={r.weight:g}" for r in cfg.rewards if r.weight != 1.0)
-    return [run.preset, f"{run.name or 'run ' + str(run.id)} (copy)", *values, cfg.reward_names, weights,
-            format_stages(cfg.balance.stages), cfg.balance.single_reward, list(cfg.prompts.sources)]
+    return [run.preset, f"{run.name or 'run ' + str(run.id)} (copy)",
+            *config_form_values(TrainConfig.from_dict(run.config), fields)]
 
 
 def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dict:
