@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+from benchmarks.dashboard import bench_dashboard_refresh, bench_dashboard_soak
 from benchmarks.storage import bench_storage
 
 STRATEGIES = ("weighted_sum", "marble", "marble_full")
