@@ -107,6 +107,22 @@ def build_tiny_pipeline(seed: int = 0, text_max_length: int = 32):
     return pipe
 
 
+MINI_WORLD_DIR = Path(__file__).resolve().parent / "assets" / "mini-world"
+
+
+@register_model("mini-world", "Pretrained mini SD3 (1.6 M params, 64 px) on the built-in shapes world; the "
+                              "default. Follows colours well, counts and positions less: room for RL.")
+def load_mini_world():
+    """The shipped pipeline in core/assets/mini-world (see its MODEL_CARD.md); made by core.pretrain."""
+    from diffusers import StableDiffusion3Pipeline
+
+    if not (MINI_WORLD_DIR / "model_index.json").is_file():
+        raise ModelNotFoundError(f"the mini-world model folder {str(MINI_WORLD_DIR)!r} is missing; restore it "
+                                 f"from git or rebuild it with `python -m core.pretrain --out {MINI_WORLD_DIR}`")
+    return StableDiffusion3Pipeline.from_pretrained(MINI_WORLD_DIR, local_files_only=True, text_encoder_3=None,
+                                                    tokenizer_3=None)
+
+
 # ---- loading ---------------------------------------------------------------------------------------
 
 _OPTIONAL_COMPONENTS = ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor")

@@ -194,3 +194,19 @@ def test_palette_colours_are_far_apart():
     d = np.sqrt(((rgb[:, None] - rgb[None]) ** 2).sum(-1)) + np.eye(len(rgb)) * 1e9
     assert d.min() > 80
     assert RELATIONS == ("left of", "right of", "above", "below")
+
+
+def test_mini_presets_come_first_and_differ_only_in_the_balancing_strategy():
+    from core.config import PRESETS, preset
+
+    names = ["mini-marble", "mini-weighted-sum", "mini-equal", "mini-sequential"]
+    assert list(PRESETS)[:4] == names
+    configs = [preset(n).to_dict() for n in names]
+    assert [c["balance"]["strategy"] for c in configs] == ["marble", "weighted_sum", "equal", "sequential"]
+    for c in configs:
+        assert c["model"]["name"] == "mini-world" and c["prompts"]["sources"] == list(SOURCES)
+        assert {k: v for k, v in c.items() if k != "balance"} == {k: v for k, v in configs[0].items()
+                                                                  if k != "balance"}
+    stages = configs[3]["balance"]["stages"]
+    assert sum(s["steps"] for s in stages) == configs[0]["steps"]
+    assert {r for s in stages for r in s["rewards"]} == {r["name"] for r in configs[0]["rewards"]}
