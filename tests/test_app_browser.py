@@ -221,7 +221,13 @@ def test_study_and_replay_pages_render_the_runs(page, server):
     for name in ("long run", "short run"):
         page.locator("#study-runs input").click()
         page.get_by_role("option", name=name).first.click()
-    wait_for_traces(page, "plot-pareto")
+    page.keyboard.press("Escape")
+    # both runs rendered: the Pareto front plus one point per run, and both rows in the table
+    page.wait_for_function("() => { const p = document.querySelector('#plot-pareto .js-plotly-plot');"
+                           " return p && p.data && p.data.length >= 3; }", timeout=90_000)
+    table = page.locator("#study-table").inner_text()
+    assert "long run" in table and "short run" in table and "composite" in table
+    page.wait_for_timeout(1500)
     shot(page, "study")
     tab(page, "Replay")
     page.locator("#replay-reload").click()
