@@ -1,0 +1,374 @@
+"""Score trained runs against their base model on held-out prompts, and compare runs like the paper's Table 1.
+
+    python -m core.evaluate --run DIR [--prompts test] [--prompts-per-source 16] [--seeds 4]
+    python -m core.evaluate --study RUN1 RUN2 ... --out docs/study/
+
+``--run``: generates images for the first N prompts of each of the run's prompt sources (the chosen
+split) with fixed evaluation seeds, once with the base model and once with the run's last checkpoint
+(its LoRA loaded with ``load_lora_weights``), scores both with every offline reward — the run's
+training rewards and the held-out ones it did not train on — and prints a table (also written to
+DIR/eval_<split>.json and .md).
+
+``--study``: evaluates every run against one shared base evaluation and writes study.md/study.json
+with the Table-1 style comparison — per-reward means and the composite, the sum over rewards of the
+improvement over the base model in units of the base model's std (spec §8) — plus PNG figures made
+from each run's events.jsonl: α over steps, and the worst reward's gradient cosine with the applied
+update (spec §4's headline diagnostic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+EVAL_SEED = 1_000_003  # evaluation seeds are fixed and distinct from any training draw
+SKIP_REWARDS = ("remote",)
+OPPOSITES = {"jpeg_incompressibility": "jpeg_compressibility", "jpeg_compressibility": "jpeg_incompressibility"}
+"""Of two rewards that are exactly minus each other, only the first (or the trained one) is evaluated."""
+
+
+@dataclass
+class EvalSettings:
+    """What an evaluation samples. Sampling knobs default to the run's own config."""
+
+    split: str = "test"
+    prompts_per_source: int = 16
+    seeds_per_prompt: int = 4
+    num_steps: int | None = None
+    guidance_scale: float | None = None
+
+    def validate(self) -> None:
+        if self.split not in ("train", "test"):
+            raise ValueError(f"--prompts={self.split!r}: valid choices: train, test")
+        if self.prompts_per_source < 1 or self.seeds_per_prompt < 1:
+            raise ValueError(f"prompts_per_source={self.prompts_per_source}, seeds_per_prompt="
+                             f"{self.seeds_per_prompt}: both must be integers >= 1")
+
+
+# ---- pieces ----------------------------------------------------------------------------------------
+
+def eval_items(sources: list[str], split: str, per_source: int) -> list:
+    """The first ``per_source`` prompts of each source's split (fixed order, so runs are comparable)."""
+    from core.prompts import load_source
+
+    items = []
+    for name in sources:
+        items.extend(load_source(name).split(split)[:per_source])
+    return items
+
+
+def eval_reward_names(train_rewards: list[str], prompts: list[str]) -> list[str]:
+    """The training rewards first, then every other reward that can run offline from its defaults (model-
+    based rewards need weights and are left out; OCR only when some prompt quotes text)."""
+    from core.rewards import EXTERNAL_REWARDS, available_rewards
+    from core.rewards.ocr import quoted_text
+
+    extra: list[str] = []
+    for n in available_rewards():
+        if n in train_rewards or n in EXTERNAL_REWARDS or n in SKIP_REWARDS:
+            continue
+        if OPPOSITES.get(n) in list(train_rewards) + extra:
+            continue
+        extra.append(n)
+    if not any(quoted_text(p) for p in prompts):
+        extra = [n for n in extra if n != "ocr"]
+    return list(train_rewards) + extra
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    found = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / "pytorch_lora_weights.safetensors")
+                   .is_file()) if (run_dir / "checkpoints").is_dir() else []
+    if not found:
+        raise FileNotFoundError(f"run {str(run_dir)!r} has no checkpoint with pytorch_lora_weights.safetensors "
+                                f"under checkpoints/; train it first (python -m core.train ... --out {run_dir})")
+    return found[-1]
+
+
+def generate(pipe, items: list, settings: EvalSettings, config, batch: int = 64):
+    """Images [N, 3, H, W] for items × seeds, with the run's sampler settings."""
+    import torch
+
+    from core.sampling import generate_images
+
+    s = config.sampling
+    steps = settings.num_steps or s.num_steps
+    guidance = settings.guidance_scale if settings.guidance_scale is not None else s.guidance_scale
+    prompts = [it.text for it in items for _ in range(settings.seeds_per_prompt)]
+    seeds = [EVAL_SEED + i for i in range(len(prompts))]
+    out = []
+    for i in range(0, len(prompts), batch):
+        out.append(generate_images(pipe, prompts[i:i + batch], seeds[i:i + batch], num_steps=steps,
+                                   guidance_scale=guidance, resolution=s.resolution,
+                                   max_sequence_length=s.max_sequence_length))
+    return torch.cat(out)
+
+
+def score_all(images, items: list, settings: EvalSettings, reward_names: list[str]) -> dict[str, list[float]]:
+    """reward name -> one score per image (NaN where it does not apply)."""
+    from core.rewards import make_reward
+
+    prompts = [it.text for it in items for _ in range(settings.seeds_per_prompt)]
+    metadata = [dict(it.metadata) for it in items for _ in range(settings.seeds_per_prompt)]
+    return {n: make_reward(n)(images, prompts, metadata).tolist() for n in reward_names}
+
+
+def _stats(values: list[float]) -> tuple[float, float, int]:
+    v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=np.float64)
+    if v.size == 0:
+        return float("nan"), float("nan"), 0
+    return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else 0.0, int(v.size)
+
+
+def compare(base: dict[str, list[float]], run: dict[str, list[float]], train_rewards: list[str]) -> dict:
+    """Per reward: base/run mean and std, the improvement and the improvement in base-std units (Table 1's
+    z); composite = Σ z over the training rewards, and over every reward that applied."""
+    rows = {}
+    for name in base:
+        bm, bs, n = _stats(base[name])
+        rm, rs, _ = _stats(run.get(name, []))
+        z = (rm - bm) / bs if n and bs > 1e-12 else float("nan")
+        rows[name] = {"base_mean": bm, "base_std": bs, "mean": rm, "std": rs, "delta": rm - bm, "z": z, "n": n,
+                      "trained_on": name in train_rewards}
+    z_train = [r["z"] for n, r in rows.items() if r["trained_on"] and math.isfinite(r["z"])]
+    z_all = [r["z"] for r in rows.values() if math.isfinite(r["z"])]
+    return {"rewards": rows, "composite_train": float(sum(z_train)), "composite_all": float(sum(z_all))}
+
+
+def by_source(scores: dict[str, list[float]], items: list, settings: EvalSettings) -> dict[str, dict[str, float]]:
+    """Mean of each reward per prompt source (NaN-aware)."""
+    sources = [it.metadata.get("source", "?") for it in items for _ in range(settings.seeds_per_prompt)]
+    out: dict[str, dict[str, float]] = {}
+    for src in dict.fromkeys(sources):
+        idx = [i for i, s in enumerate(sources) if s == src]
+        out[src] = {n: _stats([v[i] for i in idx])[0] for n, v in scores.items()}
+    return out
+
+
+# ---- one run ---------------------------------------------------------------------------------------
+
+@dataclass
+class BaseEvaluation:
+    """The base model's scores on a prompt set, shared by the runs of a study."""
+
+    model: str
+    items: list
+    reward_names: list[str]
+    scores: dict[str, list[float]]
+    key: dict
+
+
+def _key(config, settings: EvalSettings) -> dict:
+    s = config.sampling
+    return {"model": config.model.name, "sources": list(config.prompts.sources), **asdict(settings),
+            "num_steps": settings.num_steps or s.num_steps,
+            "guidance_scale": settings.guidance_scale if settings.guidance_scale is not None else s.guidance_scale,
+            "resolution": s.resolution, "max_sequence_length": s.max_sequence_length}
+
+
+def evaluate_base(config, settings: EvalSettings, reward_names: list[str] | None = None) -> BaseEvaluation:
+    from core.models import load_pipeline
+
+    items = eval_items(config.prompts.sources, settings.split, settings.prompts_per_source)
+    names = reward_names or eval_reward_names(config.reward_names, [it.text for it in items])
+    pipe = load_pipeline(config.model.name)
+    images = generate(pipe, items, settings, config)
+    return BaseEvaluation(config.model.name, items, names, score_all(images, items, settings, names),
+                          _key(config, settings))
+
+
+def evaluate_run(run_dir: str | Path, settings: EvalSettings, base: BaseEvaluation | None = None,
+                 checkpoint: str | Path | None = None) -> dict:
+    """Evaluate one run (its last checkpoint unless ``checkpoint``) against its base model; writes
+    DIR/eval_<split>.json and .md and returns the result."""
+    from core.config import TrainConfig
+    from core.models import load_pipeline
+
+    settings.validate()
+    run_dir = Path(run_dir)
+    config = TrainConfig.load(run_dir / "config.json")
+    if base is None:
+        base = evaluate_base(config, settings)
+    elif base.key != _key(config, settings):
+        raise ValueError(f"run {str(run_dir)!r} was not made with the study's model/prompts/sampler: "
+                         f"{_key(config, settings)} vs {base.key}")
+    ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir)
+    t0 = time.perf_counter()
+    pipe = load_pipeline(config.model.name)
+    pipe.load_lora_weights(str(ckpt))
+    images = generate(pipe, base.items, settings, config)
+    scores = score_all(images, base.items, settings, base.reward_names)
+    result = {
+        "run": str(run_dir), "checkpoint": str(ckpt), "strategy": config.balance.strategy,
+        "train_rewards": config.reward_names, "settings": base.key, "images": len(images),
+        **compare(base.scores, scores, config.reward_names),
+        "by_source": {"base": by_source(base.scores, base.items, settings),
+                      "run": by_source(scores, base.items, settings)},
+        "training": training_summary(run_dir), "seconds": time.perf_counter() - t0,
+    }
+    (run_dir / f"eval_{settings.split}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (run_dir / f"eval_{settings.split}.md").write_text(run_table(result) + "\n")
+    return result
+
+
+def run_table(result: dict) -> str:
+    lines = [f"Run `{result['run']}` ({result['strategy']}), checkpoint `{Path(result['checkpoint']).name}`, "
+             f"{result['images']} images per model on the {result['settings']['split']} prompts.", "",
+             "| reward | trained on | base | run | Δ | Δ / base std |", "|---|:-:|---:|---:|---:|---:|"]
+    for name, r in result["rewards"].items():
+        if r["n"] == 0:
+            continue
+        lines.append(f"| {name} | {'✓' if r['trained_on'] else ''} | {r['base_mean']:.4f} | {r['mean']:.4f} | "
+                     f"{r['delta']:+.4f} | {_signed(r['z'])} |")
+    lines += ["", f"Composite (Σ Δ/std) over the training rewards: {result['composite_train']:+.3f}; "
+              f"over all rewards: {result['composite_all']:+.3f}."]
+    return "\n".join(lines)
+
+
+# ---- training logs ---------------------------------------------------------------------------------
+
+def read_events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    if not path.is_file():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events
+
+
+def worst_cosines(events: list[dict]) -> list[tuple[int, float]]:
+    """(step, min over valid rewards of cos(g_k, applied update)) for every diagnosed step."""
+    out = []
+    for ev in events:
+        if ev.get("event") != "balance":
+            continue
+        vals = [v for v in (ev.get("cos_to_update") or {}).values() if v is not None and math.isfinite(v)]
+        if vals:
+            out.append((int(ev["step"]), min(vals)))
+    return out
+
+
+def training_summary(run_dir: Path) -> dict:
+    events = read_events(run_dir)
+    steps = [e for e in events if e.get("event") == "step"]
+    worst = [c for _, c in worst_cosines(events)]
+    return {"steps": len(steps), "train_seconds": float(sum(e.get("seconds", 0.0) for e in steps)),
+            "diagnosed_steps": len(worst),
+            "worst_cos_mean": float(np.mean(worst)) if worst else float("nan"),
+            "worst_cos_negative_share": float(np.mean([c < 0 for c in worst])) if worst else float("nan")}
+
+
+# ---- study -----------------------------------------------------------------------------------------
+
+def study(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSettings) -> dict:
+    """Evaluate runs that share a model, prompts and sampler against one base evaluation; write
+    study.md, study.json, alpha.png and worst_cosine.png into ``out_dir``."""
+    from core.config import TrainConfig
+    from core.figures import line_panels
+
+    settings.validate()
+    runs = [Path(r) for r in run_dirs]
+    configs = [TrainConfig.load(r / "config.json") for r in runs]
+    union = list(dict.fromkeys(n for c in configs for n in c.reward_names))
+    items_text = [it.text for it in eval_items(configs[0].prompts.sources, settings.split,
+                                                settings.prompts_per_source)]
+    base = evaluate_base(configs[0], settings, eval_reward_names(union, items_text))
+    results = [evaluate_run(r, settings, base) for r in runs]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    alpha_panels, cos_series = [], {}
+    for r, res in zip(runs, results):
+        events = read_events(r)
+        label = r.name
+        alpha: dict[str, list[tuple[float, float]]] = {}
+        for ev in events:
+            if ev.get("event") == "step":
+                for n, a in (ev.get("alpha") or {}).items():
+                    alpha.setdefault(n, []).append((ev["step"], a))
+        alpha_panels.append((f"{label} ({res['strategy']})", alpha))
+        cos_series[label] = [(s, c) for s, c in worst_cosines(events)]
+    line_panels(alpha_panels, out / "alpha.png", ylabel="alpha_k", y_range=(0.0, 1.0),
+                title="Reward coefficients alpha_k applied at each step (the EMA-smoothed QP weights for MARBLE)")
+    line_panels([("worst reward: min over k of cos(g_k, update)", cos_series)], out / "worst_cosine.png",
+                ylabel="cosine", y_range=(-1.0, 1.0), hline=0.0, columns=1, panel_size=(760, 360),
+                title="Worst per-reward gradient cosine with the applied update (diagnosed steps)")
+    doc = {"settings": base.key, "runs": results,
+           "base": {n: _stats(v)[:2] for n, v in base.scores.items()}}
+    (out / "study.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out / "study.md").write_text(study_table(results, base) + "\n")
+    return doc
+
+
+def study_table(results: list[dict], base: BaseEvaluation) -> str:
+    names = [n for n in base.reward_names if _stats(base.scores[n])[2] > 0]
+    train = list(dict.fromkeys(n for r in results for n in r["train_rewards"]))
+    header = "| method | " + " | ".join(f"{n}{' *' if n in train else ''}" for n in names) + \
+             " | composite (train) | composite (all) | worst cos < 0 | mean worst cos | train min |"
+    lines = [header, "|---|" + "---:|" * (len(names) + 5)]
+    lines.append("| base model | " + " | ".join(f"{_stats(base.scores[n])[0]:.3f}" for n in names) +
+                 " | 0 | 0 | | | |")
+    for r in results:
+        t = r["training"]
+        cells = [f"{r['rewards'][n]['mean']:.3f} ({_signed(r['rewards'][n]['z'])})" for n in names]
+        lines.append(f"| {Path(r['run']).name} ({r['strategy']}) | " + " | ".join(cells) +
+                     f" | **{r['composite_train']:+.3f}** | {r['composite_all']:+.3f} | "
+                     f"{t['worst_cos_negative_share'] * 100:.0f}% of {t['diagnosed_steps']} | "
+                     f"{t['worst_cos_mean']:+.3f} | {t['train_seconds'] / 60:.1f} |")
+    s = base.key
+    lines += ["", f"Held-out ({s['split']}) prompts: first {s['prompts_per_source']} of each of "
+              f"{', '.join(s['sources'])}; {s['seeds_per_prompt']} seeds each; {s['num_steps']} sampling steps, "
+              f"guidance {s['guidance_scale']}. Cells: mean (Δ over the base model in base-std units). "
+              "`*` = trained on. Composite = Σ of those Δ/std (paper's Table 1), over the training rewards and "
+              "over all rewards. Worst cos: the share of diagnosed steps where some reward's gradient points "
+              "against the applied update, and the mean of that worst cosine."]
+    return "\n".join(lines)
+
+
+def _signed(z: float) -> str:
+    return f"{z:+.2f}" if math.isfinite(z) else "n/a"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m core.evaluate", description=__doc__.split("\n")[0])
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--run", help="a run folder (config.json + checkpoints/)")
+    what.add_argument("--study", nargs="+", metavar="RUN", help="several run folders to compare")
+    ap.add_argument("--out", help="--study: folder for study.md, study.json and the figures")
+    ap.add_argument("--prompts", default="test", choices=("train", "test"), help="prompt split (default test)")
+    ap.add_argument("--prompts-per-source", type=int, default=16)
+    ap.add_argument("--seeds", type=int, default=4, help="images per prompt")
+    ap.add_argument("--num-steps", type=int, default=None, help="sampling steps (default: the run's)")
+    ap.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the run's)")
+    ap.add_argument("--checkpoint", help="--run: a checkpoint folder instead of the last one")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    settings = EvalSettings(args.prompts, args.prompts_per_source, args.seeds, args.num_steps, args.guidance)
+    try:
+        if args.run:
+            print(run_table(evaluate_run(args.run, settings, checkpoint=args.checkpoint)))
+        else:
+            if not args.out:
+                ap.error("--study needs --out DIR")
+            study(args.study, args.out, settings)
+            print((Path(args.out) / "study.md").read_text())
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

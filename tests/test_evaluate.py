@@ -1,0 +1,89 @@
+"""Evaluation: Table-1 arithmetic, the reward set, and the --run / --study commands end to end on tiny runs."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from core.evaluate import EvalSettings, compare, eval_reward_names, main, study
+from core.train import main as train_main
+from tests.helpers import small_config
+
+WORLD = ["world-general", "world-color", "world-count", "world-position"]
+
+
+def test_composite_is_the_sum_of_improvements_in_base_std_units():
+    base = {"a": [0.0, 1.0, 2.0, 3.0], "b": [1.0, 1.0, 3.0, 3.0], "c": [float("nan")] * 4}
+    run = {"a": [1.0, 2.0, 3.0, 4.0], "b": [0.0, 0.0, 2.0, 2.0], "c": [float("nan")] * 4}
+    out = compare(base, run, train_rewards=["a"])
+    std_a = (sum((x - 1.5) ** 2 for x in base["a"]) / 3) ** 0.5
+    std_b = (4 / 3) ** 0.5
+    assert out["rewards"]["a"]["z"] == pytest.approx(1.0 / std_a)
+    assert out["rewards"]["b"]["z"] == pytest.approx(-1.0 / std_b)
+    assert out["rewards"]["c"]["n"] == 0 and math.isnan(out["rewards"]["c"]["z"])
+    assert out["composite_train"] == pytest.approx(1.0 / std_a)
+    assert out["composite_all"] == pytest.approx(1.0 / std_a - 1.0 / std_b)
+    assert out["rewards"]["a"]["trained_on"] and not out["rewards"]["b"]["trained_on"]
+
+
+def test_evaluation_uses_training_rewards_first_then_offline_held_out_ones():
+    names = eval_reward_names(["count_accuracy", "jpeg_compressibility"], ["three red circles"])
+    assert names[:2] == ["count_accuracy", "jpeg_compressibility"]
+    assert {"world_geneval", "spatial_relation", "contrast"} <= set(names)
+    assert not {"pickscore", "geneval", "remote", "ocr"} & set(names)  # need weights / a server / quotes
+    assert "ocr" in eval_reward_names(["count_accuracy"], ['a sign that says "hi"'])
+
+
+def _tiny_world_run(tmp_path, name, strategy):
+    cfg = small_config(strategy, steps=2, **{
+        "prompts.sources": WORLD, "sampling.prompts_per_step": 4, "sampling.max_sequence_length": 4,
+        "rewards": [{"name": "count_accuracy"}, {"name": "spatial_relation"}, {"name": "colorfulness"}],
+        "balance.diagnose_every": 1, "optim.lr": 0.02})
+    path = tmp_path / f"{name}.json"
+    cfg.save(path)
+    out = tmp_path / name
+    assert train_main(["--config", str(path), "--out", str(out), "--quiet"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("evalruns")
+    return [_tiny_world_run(tmp, "marble", "marble"), _tiny_world_run(tmp, "wsum", "weighted_sum")]
+
+
+def test_run_evaluation_scores_base_and_checkpoint_on_held_out_prompts(runs, capsys):
+    assert main(["--run", str(runs[0]), "--prompts-per-source", "2", "--seeds", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "| count_accuracy | ✓ |" in printed and "world_geneval" in printed
+    result = json.loads((runs[0] / "eval_test.json").read_text())
+    assert result["images"] == 4 * 2 * 2
+    rows = result["rewards"]
+    assert rows["count_accuracy"]["n"] == 4 and rows["spatial_relation"]["n"] == 4  # NaN off their sources
+    assert rows["colorfulness"]["n"] == 16
+    # the checkpoint's LoRA really is applied: the images (hence a continuous reward) moved
+    assert rows["colorfulness"]["mean"] != rows["colorfulness"]["base_mean"]
+    assert set(result["by_source"]["run"]) == set(WORLD)
+
+
+def test_study_writes_the_table_and_figures_from_the_runs_own_logs(runs, tmp_path, capsys):
+    doc = study(runs, tmp_path / "study", EvalSettings("test", 2, 2))
+    md = (tmp_path / "study" / "study.md").read_text()
+    assert "| base model |" in md and "marble (marble)" in md and "wsum (weighted_sum)" in md
+    assert "composite (train)" in md
+    bases = {json.dumps(r["by_source"]["base"], sort_keys=True) for r in doc["runs"]}
+    assert len(bases) == 1  # one shared base evaluation
+    for name in ("alpha.png", "worst_cosine.png"):
+        img = np.asarray(Image.open(tmp_path / "study" / name).convert("RGB"))
+        assert img.shape[1] > 400 and len(np.unique(img.reshape(-1, 3), axis=0)) > 5  # not blank
+    assert doc["runs"][0]["training"]["diagnosed_steps"] == 2
+
+
+def test_errors_name_the_problem(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(small_config().to_json())
+    assert main(["--run", str(tmp_path)]) == 2
+    assert "no checkpoint" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="valid choices: train, test"):
+        EvalSettings("val").validate()
