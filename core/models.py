@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from core.cache import hf_cache_dir
 from core.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -126,14 +127,6 @@ def load_mini_world():
 # ---- loading ---------------------------------------------------------------------------------------
 
 _OPTIONAL_COMPONENTS = ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor")
-
-
-def hf_cache_dir() -> str:
-    """The Hugging Face hub cache, read from the environment at call time (HF_HUB_CACHE, HF_HOME)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.environ["HF_HUB_CACHE"]
-    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
-    return os.path.join(home, "hub")
 
 
 def resolve_model_path(name: str) -> Path:
