@@ -313,15 +313,18 @@ def study_table(results: list[dict], base: BaseEvaluation) -> str:
     names = [n for n in base.reward_names if _stats(base.scores[n])[2] > 0]
     train = list(dict.fromkeys(n for r in results for n in r["train_rewards"]))
     header = "| method | " + " | ".join(f"{n}{' *' if n in train else ''}" for n in names) + \
-             " | composite (train) | composite (all) | worst cos < 0 | mean worst cos | train min |"
-    lines = [header, "|---|" + "---:|" * (len(names) + 5)]
+             " | composite (train) | composite (all) | train rewards up | worst train Δ/std | worst cos < 0 " \
+             "| mean worst cos | train min |"
+    lines = [header, "|---|" + "---:|" * (len(names) + 7)]
     lines.append("| base model | " + " | ".join(f"{_stats(base.scores[n])[0]:.3f}" for n in names) +
-                 " | 0 | 0 | | | |")
+                 " | 0 | 0 | | | | | |")
     for r in results:
         t = r["training"]
         cells = [f"{r['rewards'][n]['mean']:.3f} ({_signed(r['rewards'][n]['z'])})" for n in names]
+        z_train = [r["rewards"][n]["z"] for n in r["train_rewards"] if math.isfinite(r["rewards"][n]["z"])]
         lines.append(f"| {Path(r['run']).name} ({r['strategy']}) | " + " | ".join(cells) +
                      f" | **{r['composite_train']:+.3f}** | {r['composite_all']:+.3f} | "
+                     f"{sum(z > 0 for z in z_train)} of {len(z_train)} | {_signed(min(z_train, default=math.nan))} | "
                      f"{t['worst_cos_negative_share'] * 100:.0f}% of {t['diagnosed_steps']} | "
                      f"{t['worst_cos_mean']:+.3f} | {t['train_seconds'] / 60:.1f} |")
     s = base.key
@@ -329,7 +332,8 @@ def study_table(results: list[dict], base: BaseEvaluation) -> str:
               f"{', '.join(s['sources'])}; {s['seeds_per_prompt']} seeds each; {s['num_steps']} sampling steps, "
               f"guidance {s['guidance_scale']}. Cells: mean (Δ over the base model in base-std units). "
               "`*` = trained on. Composite = Σ of those Δ/std (paper's Table 1), over the training rewards and "
-              "over all rewards. Worst cos: the share of diagnosed steps where some reward's gradient points "
+              "over all rewards; a composite can be carried by one reward, so the table also counts the training "
+              "rewards that improved and gives the worst one. Worst cos: the share of diagnosed steps where some reward's gradient points "
               "against the applied update, and the mean of that worst cosine."]
     return "\n".join(lines)
 
