@@ -27,6 +27,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -118,16 +119,40 @@ class Progress:
         self.bar.close()
 
 
-def train_vae(vae, steps: int, batch: int, lr: float, rng: np.random.Generator, max_seconds: float,
-              log_every: int) -> dict:
-    vae.train()
-    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
-    progress = Progress(steps, "vae", log_every)
+def psnr_db(mse: float) -> float:
+    """PSNR of images in [-1, 1] (peak² = 4) from their mean squared error."""
+    return 10 * math.log10(4 / max(mse, 1e-12))
+
+
+def run_stage(label: str, opt: torch.optim.Optimizer, lr: float, steps: int, max_seconds: float, log_every: int,
+              window: int, step_fn: Callable[[int], float],
+              describe: Callable[[float], dict[str, float]]) -> tuple[int, float, float]:
+    """The loop all three stages share: for step = 1..steps, set every param group's learning rate from the
+    cosine schedule, run ``step_fn(step) -> loss``, log ``describe(mean of the last window losses)``, and stop
+    after the step at which the time box closed (that step ran at the schedule's floor).
+    Returns (steps done, seconds, mean of the last ``window`` losses)."""
+    progress = Progress(steps, label, log_every)
     t0, done, recent = time.perf_counter(), 0, []
     for step in range(1, steps + 1):
         progress_now = stage_progress(step, steps, t0, max_seconds)
         for g in opt.param_groups:
             g["lr"] = cosine_lr(progress_now, step, lr)
+        recent = (recent + [step_fn(step)])[-window:]
+        done = step
+        progress.update(step, **describe(float(np.mean(recent))))
+        if progress_now >= 1.0 and step < steps:
+            print(f"[{label}] time box reached after {step} steps", flush=True)
+            break
+    progress.close()
+    return done, time.perf_counter() - t0, float(np.mean(recent))
+
+
+def train_vae(vae, steps: int, batch: int, lr: float, rng: np.random.Generator, max_seconds: float,
+              log_every: int) -> dict:
+    vae.train()
+    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
+
+    def step_fn(step: int) -> float:
         x, _ = world_batch(rng, batch)
         posterior = vae.encode(x).latent_dist
         recon = vae.decode(posterior.sample()).sample
@@ -137,15 +162,12 @@ def train_vae(vae, steps: int, batch: int, lr: float, rng: np.random.Generator, 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
         opt.step()
-        recent = (recent + [mse.item()])[-50:]
-        done = step
-        progress.update(step, mse=float(np.mean(recent)), psnr=10 * math.log10(4 / max(np.mean(recent), 1e-12)))
-        if progress_now >= 1.0 and step < steps:
-            print(f"[vae] time box reached after {step} steps", flush=True)
-            break
-    progress.close()
+        return mse.item()
+
+    done, seconds, final_mse = run_stage("vae", opt, lr, steps, max_seconds, log_every, 50, step_fn,
+                                         lambda mse: {"mse": mse, "psnr": psnr_db(mse)})
     vae.eval()
-    return {"steps": done, "seconds": time.perf_counter() - t0, "final_mse": float(np.mean(recent))}
+    return {"steps": done, "seconds": seconds, "final_mse": final_mse}
 
 
 @torch.no_grad()
@@ -161,8 +183,7 @@ def calibrate_latents(vae, rng: np.random.Generator, batches: int = 4, batch: in
     lat = torch.cat(latents)
     shift, std = float(lat.mean()), float(lat.std())
     vae.register_to_config(shift_factor=shift, scaling_factor=1.0 / std)
-    return {"shift_factor": shift, "scaling_factor": 1.0 / std,
-            "psnr_db": 10 * math.log10(4 / float(np.mean(mse)))}  # images span [-1, 1]: peak² = 4
+    return {"shift_factor": shift, "scaling_factor": 1.0 / std, "psnr_db": psnr_db(float(np.mean(mse)))}
 
 
 def refine_decoder(vae, steps: int, batch: int, lr: float, rng: np.random.Generator, max_seconds: float,
@@ -174,12 +195,9 @@ def refine_decoder(vae, steps: int, batch: int, lr: float, rng: np.random.Genera
     vae.decoder.train()
     params = list(vae.decoder.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    progress = Progress(steps, "decoder", log_every)
-    t0, done, recent = time.perf_counter(), 0, []
-    for step in range(1, steps + 1):
-        progress_now = stage_progress(step, steps, t0, max_seconds)
-        for g in opt.param_groups:
-            g["lr"] = cosine_lr(progress_now, step, lr)
+    t0 = time.perf_counter()
+
+    def step_fn(step: int) -> float:
         x, _ = world_batch(rng, batch)
         with torch.no_grad():
             z = vae.encode(x).latent_dist.sample()
@@ -188,19 +206,17 @@ def refine_decoder(vae, steps: int, batch: int, lr: float, rng: np.random.Genera
         mse.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        recent = (recent + [mse.item()])[-50:]
-        done = step
-        progress.update(step, mse=float(np.mean(recent)), psnr=10 * math.log10(4 / max(np.mean(recent), 1e-12)))
-        if progress_now >= 1.0 and step < steps:
-            print(f"[decoder] time box reached after {step} steps", flush=True)
-            break
-    progress.close()
+        return mse.item()
+
+    done, _, _ = run_stage("decoder", opt, lr, steps, max_seconds, log_every, 50, step_fn,
+                           lambda mse: {"mse": mse, "psnr": psnr_db(mse)})
     vae.requires_grad_(False)
     vae.eval()
     with torch.no_grad():  # PSNR on fresh renders, as calibrate_latents measures it
         mse = [F.mse_loss(vae.decode(vae.encode(x).latent_dist.mode()).sample.clamp(-1, 1), x).item()
                for x, _ in (world_batch(rng, 64) for _ in range(4))]
-    return {"steps": done, "seconds": time.perf_counter() - t0, "psnr_db": 10 * math.log10(4 / float(np.mean(mse)))}
+    # "seconds" includes this measurement, as the shipped pretrain_log.json records it
+    return {"steps": done, "seconds": time.perf_counter() - t0, "psnr_db": psnr_db(float(np.mean(mse)))}
 
 
 def train_diffusion(pipe, steps: int, batch: int, lr: float, ema_decay: float, dropout: float,
@@ -215,12 +231,8 @@ def train_diffusion(pipe, steps: int, batch: int, lr: float, ema_decay: float, d
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.01)
     vae = pipe.vae
     shift, scale = vae.config.shift_factor, vae.config.scaling_factor
-    progress = Progress(steps, "diffusion", log_every)
-    t0, done, recent = time.perf_counter(), 0, []
-    for step in range(1, steps + 1):
-        progress_now = stage_progress(step, steps, t0, max_seconds)
-        for g in opt.param_groups:
-            g["lr"] = cosine_lr(progress_now, step, lr)
+
+    def step_fn(step: int) -> float:
         x, captions = world_batch(rng, batch)
         drop = rng.random(batch) < dropout
         captions = ["" if d else c for c, d in zip(captions, drop)]
@@ -243,20 +255,17 @@ def train_diffusion(pipe, steps: int, batch: int, lr: float, ema_decay: float, d
         decay = min(ema_decay, (1 + step) / (10 + step))
         with torch.no_grad():
             torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - decay)
-        recent = (recent + [loss.item()])[-100:]
-        done = step
-        progress.update(step, loss=float(np.mean(recent)), lr=opt.param_groups[0]["lr"])
-        if progress_now >= 1.0 and step < steps:
-            print(f"[diffusion] time box reached after {step} steps", flush=True)
-            break
-    progress.close()
+        return loss.item()
+
+    done, seconds, final_loss = run_stage("diffusion", opt, lr, steps, max_seconds, log_every, 100, step_fn,
+                                          lambda loss: {"loss": loss, "lr": opt.param_groups[0]["lr"]})
     with torch.no_grad():
         for p, e in zip(params, ema):
             p.copy_(e)
     for m in modules:
         m.eval()
         m.requires_grad_(False)
-    return {"steps": done, "seconds": time.perf_counter() - t0, "final_loss": float(np.mean(recent))}
+    return {"steps": done, "seconds": seconds, "final_loss": final_loss}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from core.pretrain import cosine_lr, main, stage_progress
+from core.pretrain import cosine_lr, main, run_stage, stage_progress
 
 TINY = ["--vae-steps", "3", "--steps", "3", "--decoder-steps", "2", "--batch", "2", "--log-every", "1",
         "--no-card", "--vae-max-minutes", "60", "--max-minutes", "60", "--decoder-max-minutes", "60"]
@@ -125,3 +125,22 @@ def test_stage_progress_is_the_step_budget_or_the_time_box_whichever_binds_first
     assert stage_progress(10, 10, now, max_seconds=3600) >= 1.0
     assert stage_progress(1, 10, now - 60, max_seconds=30) >= 2.0
 
+
+def test_when_the_time_box_binds_the_stage_stops_early_at_the_lr_floor(capsys):
+    """The promise of stage_progress: on a slow machine the learning rate still decays fully."""
+    base = 1e-3
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base)
+    lrs = []
+
+    def step_fn(step: int) -> float:  # a step that only records its learning rate
+        lrs.append(opt.param_groups[0]["lr"])
+        return float(step)
+
+    steps = 10**8
+    done, seconds, recent = run_stage("test", opt, base, steps, 0.3, 10**9, 5, step_fn, lambda m: {"m": m})
+    assert done > 100, f"only {done} steps ran in the 0.3 s box; the warm-up alone is 100 steps"
+    assert done < steps and len(lrs) == done and seconds >= 0.3
+    assert lrs[-1] == pytest.approx(0.05 * base)
+    assert all(a >= b for a, b in zip(lrs[100:], lrs[101:]))  # after warm-up the rate only goes down
+    assert recent == np.mean(range(done - 4, done + 1))  # the mean over the last `window` (5) losses
+    assert f"[test] time box reached after {done} steps" in capsys.readouterr().out
