@@ -308,8 +308,13 @@ def main(argv: list[str] | None = None) -> int:
                                                         tokenizer_3=None)
         previous = json.loads((Path(args.init_from) / "pretrain_log.json").read_text())
         vae_stats = dict(previous["vae"], steps=0, seconds=0.0, kept_from=str(args.init_from))
+        if previous.get("decoder"):  # the kept VAE is the refined one: its PSNR is the decoder stage's
+            vae_stats["psnr_db"] = previous["decoder"]["psnr_db"]
         pipe.vae.requires_grad_(False)
         pipe.vae.eval()
+        # build_components seeds torch's global generator on a fresh start; latent_dist.sample() in the
+        # decoder stage draws from it, so a continued run seeds it too or it would not repeat.
+        torch.manual_seed(args.seed)
     else:
         pipe = build_components(args.seed, args.scheduler_shift)
         vae_stats = train_vae(pipe.vae, args.vae_steps, args.batch, args.vae_lr, rng, args.vae_max_minutes * 60,

@@ -92,8 +92,19 @@ def test_init_from_keeps_the_vae_and_goes_on_training_the_transformer(seed0, tmp
     assert (out / TRANSFORMER).read_bytes() != (first / TRANSFORMER).read_bytes()
     assert log["vae"]["steps"] == 0 and log["vae"]["kept_from"] == str(first)
     assert log["vae"]["scaling_factor"] == first_log["vae"]["scaling_factor"]
+    assert log["vae"]["psnr_db"] == first_log["decoder"]["psnr_db"]  # the kept VAE is the refined one
     assert log["diffusion"]["steps"] == 3 and log["previous"] == first_log
     assert "[vae] step" not in stdout and "[diffusion] step 3 " in stdout
+
+
+@pytest.mark.slow
+def test_a_continued_run_that_refines_the_decoder_repeats_for_its_seed(seed0, tmp_path):
+    first, _, _ = seed0
+    args = ["--init-from", str(first), "--steps", "0", "--decoder-steps", "2", "--batch", "2", "--log-every", "1",
+            "--no-card", "--decoder-max-minutes", "60", "--seed", "3"]
+    pretrain(tmp_path / "a", *args)
+    pretrain(tmp_path / "b", *args)
+    assert (tmp_path / "a" / VAE).read_bytes() == (tmp_path / "b" / VAE).read_bytes() != (first / VAE).read_bytes()
 
 
 @pytest.mark.slow
