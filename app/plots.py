@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -20,8 +21,17 @@ def colour(i: int) -> str:
     return PALETTE[i % len(PALETTE)]
 
 
+_GRID = "#EBF0F8"
+TEMPLATE = go.layout.Template(layout=dict(
+    paper_bgcolor="white", plot_bgcolor="white", font=dict(color="#2a3f5f"), hovermode="closest", colorway=PALETTE,
+    xaxis=dict(gridcolor=_GRID, linecolor=_GRID, zerolinecolor=_GRID, ticks="", automargin=True),
+    yaxis=dict(gridcolor=_GRID, linecolor=_GRID, zerolinecolor=_GRID, ticks="", automargin=True)))
+"""plotly_white's look in the few properties these figures use: a figure deep-copies its template, and
+plotly_white's copy was ~12 ms per figure, a third of a long run's first dashboard load."""
+
+
 def _layout(fig: go.Figure, title: str, revision: Any = "keep", height: int = 360) -> go.Figure:
-    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=15)), height=height, template="plotly_white",
+    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=15)), height=height, template=TEMPLATE,
                       margin=dict(l=50, r=20, t=50, b=40), uirevision=revision,
                       legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
     return fig
@@ -38,6 +48,12 @@ def empty_figure(title: str, message: str) -> go.Figure:
 
 def _finite(values: Iterable[float | None]) -> list[float | None]:
     return [v if v is not None and math.isfinite(v) else None for v in values]
+
+
+def _arr(values: Iterable[float | None]) -> np.ndarray:
+    """A float array with NaN for missing values (a gap in the line; Plotly's JSON writes null). Plotly
+    validates a Python list element by element and takes an array as it is: ~5x faster on long runs."""
+    return np.asarray([np.nan if v is None else v for v in values], dtype=float)
 
 
 def ema(values: Sequence[float | None], weight: float) -> list[float | None]:
@@ -66,9 +82,9 @@ def reward_curves(series: dict[str, tuple[list[int], list[float | None]]], rewar
     for i, name in enumerate(names):
         steps, values = series[f"reward/{name}"]
         values = _finite(values)
-        fig.add_trace(go.Scatter(x=steps, y=values, mode="lines", line=dict(color=colour(i), width=1),
+        fig.add_trace(go.Scatter(x=_arr(steps), y=_arr(values), mode="lines", line=dict(color=colour(i), width=1),
                                  opacity=0.35, name=f"{name} (raw)", showlegend=False), row=1, col=i + 1)
-        fig.add_trace(go.Scatter(x=steps, y=ema(values, smoothing), mode="lines",
+        fig.add_trace(go.Scatter(x=_arr(steps), y=_arr(ema(values, smoothing)), mode="lines",
                                  line=dict(color=colour(i), width=2.5), name=name, showlegend=False),
                       row=1, col=i + 1)
         fig.update_xaxes(title_text="step", row=1, col=i + 1)
@@ -87,13 +103,13 @@ def alpha_trajectories(balance_rows: Sequence[dict], applied: dict[str, tuple[li
         c = colour(i)
         if f"alpha/{name}" in applied:
             steps, values = applied[f"alpha/{name}"]
-            fig.add_trace(go.Scatter(x=steps, y=_finite(values), mode="lines", line=dict(color=c, width=1, dash="dot"),
+            fig.add_trace(go.Scatter(x=_arr(steps), y=_arr(_finite(values)), mode="lines", line=dict(color=c, width=1, dash="dot"),
                                      name=f"{name} applied", legendgroup=name, showlegend=False))
         if full:
-            xs = [r["step"] for r in full]
-            fig.add_trace(go.Scatter(x=xs, y=_finite(r["alpha_ema"].get(name) for r in full), mode="lines",
+            xs = _arr(r["step"] for r in full)
+            fig.add_trace(go.Scatter(x=xs, y=_arr(_finite(r["alpha_ema"].get(name) for r in full)), mode="lines",
                                      line=dict(color=c, width=2.5), name=f"{name} ᾱ (EMA)", legendgroup=name))
-            fig.add_trace(go.Scatter(x=xs, y=_finite(r["alpha_raw"].get(name) for r in full), mode="markers",
+            fig.add_trace(go.Scatter(x=xs, y=_arr(_finite(r["alpha_raw"].get(name) for r in full)), mode="markers",
                                      marker=dict(color=c, size=7, symbol="circle-open"), name=f"{name} α* (solve)",
                                      legendgroup=name, showlegend=False))
     k = len(reward_names)
@@ -132,15 +148,16 @@ def conflict_panels(balance_rows: Sequence[dict], reward_names: Sequence[str],
     fig = make_subplots(rows=2, cols=2, shared_xaxes=True, vertical_spacing=0.14, horizontal_spacing=0.08,
                         subplot_titles=("cos(g_k, update) per reward", "min over rewards",
                                         "mean over rewards", "variance over rewards"))
-    xs = stats["steps"]
+    xs = _arr(stats["steps"])
     for i, name in enumerate(reward_names):
-        fig.add_trace(go.Scatter(x=xs, y=_finite(r["cos_to_update"].get(name) for r in rows), mode="lines+markers",
+        fig.add_trace(go.Scatter(x=xs, y=_arr(_finite(r["cos_to_update"].get(name) for r in rows)),
+                                 mode="lines+markers",
                                  marker=dict(size=4), line=dict(color=colour(i)), name=name), row=1, col=1)
-    fig.add_trace(go.Scatter(x=xs, y=stats["min"], mode="lines+markers", marker=dict(size=4),
+    fig.add_trace(go.Scatter(x=xs, y=_arr(stats["min"]), mode="lines+markers", marker=dict(size=4),
                              line=dict(color="#E45756"), name="min", showlegend=False), row=1, col=2)
-    fig.add_trace(go.Scatter(x=xs, y=stats["mean"], mode="lines+markers", marker=dict(size=4),
+    fig.add_trace(go.Scatter(x=xs, y=_arr(stats["mean"]), mode="lines+markers", marker=dict(size=4),
                              line=dict(color="#4C78A8"), name="mean", showlegend=False), row=2, col=1)
-    fig.add_trace(go.Scatter(x=xs, y=stats["var"], mode="lines+markers", marker=dict(size=4),
+    fig.add_trace(go.Scatter(x=xs, y=_arr(stats["var"]), mode="lines+markers", marker=dict(size=4),
                              line=dict(color="#54A24B"), name="variance", showlegend=False), row=2, col=2)
     for r, c in ((1, 1), (1, 2), (2, 1)):
         fig.add_hline(y=0, line=dict(color="#999", width=1, dash="dash"), row=r, col=c)

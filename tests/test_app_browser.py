@@ -121,14 +121,19 @@ def small_run(page, steps: int, name: str, **extra) -> None:
     page.locator("#start-run").click()
 
 
+# Traces that plotly.js actually drew points for: its _fullData holds the decoded arrays (the server
+# sends long series as typed arrays, {dtype, bdata}; a trace plotly.js could not decode has none).
+DRAWN = ("(p => p && p._fullData ? p._fullData.filter(t => { const v = t.type === 'heatmap' ? t.z : t.y;"
+         " return v && v.length > 0; }).length : 0)")
+
+
 def plot_traces(page, elem: str) -> int:
-    return page.evaluate(f"() => {{ const p = document.querySelector('#{elem} .js-plotly-plot');"
-                         f" return p && p.data ? p.data.length : 0; }}")
+    return page.evaluate(f"() => {DRAWN}(document.querySelector('#{elem} .js-plotly-plot'))")
 
 
-def wait_for_traces(page, elem: str, timeout: float = 90_000) -> None:
-    page.wait_for_function(f"() => {{ const p = document.querySelector('#{elem} .js-plotly-plot');"
-                           f" return p && p.data && p.data.length > 0; }}", timeout=timeout)
+def wait_for_traces(page, elem: str, timeout: float = 90_000, at_least: int = 1) -> None:
+    page.wait_for_function(f"() => {DRAWN}(document.querySelector('#{elem} .js-plotly-plot')) >= {at_least}",
+                           timeout=timeout)
 
 
 def test_a_bad_form_value_shows_its_error_and_starts_nothing(page, server):
@@ -223,8 +228,7 @@ def test_study_and_replay_pages_render_the_runs(page, server):
         page.get_by_role("option", name=name).first.click()
     page.keyboard.press("Escape")
     # both runs rendered: the Pareto front plus one point per run, and both rows in the table
-    page.wait_for_function("() => { const p = document.querySelector('#plot-pareto .js-plotly-plot');"
-                           " return p && p.data && p.data.length >= 3; }", timeout=90_000)
+    wait_for_traces(page, "plot-pareto", at_least=3)
     table = page.locator("#study-table").inner_text()
     assert "long run" in table and "short run" in table and "composite" in table
     page.wait_for_timeout(1500)

@@ -36,7 +36,8 @@ def test_reward_curves_have_raw_and_smoothed_traces_per_reward():
     series = {"reward/a": ([1, 2, 3], [0.0, 1.0, None]), "reward/b": ([1, 2, 3], [1.0, 1.0, 1.0])}
     fig = plots.reward_curves(series, ["a", "b", "missing"], smoothing=0.5)
     assert len(fig.data) == 4  # raw + smoothed for a and b; "missing" has no data
-    assert fig.data[1].y == (0.0, pytest.approx(2 / 3), None)  # bias-corrected EMA skips None
+    smoothed = fig.data[1].y  # a float array: a missing value is NaN, a gap in the line
+    assert list(smoothed[:2]) == [0.0, pytest.approx(2 / 3)] and math.isnan(smoothed[2])  # EMA skips missing
     assert fig.layout.uirevision == "rewards"
     empty = plots.reward_curves({}, ["a"])
     assert not empty.data and "No steps recorded yet" in empty.layout.annotations[0].text
@@ -54,7 +55,7 @@ def test_alpha_trajectories_show_solves_ema_applied_and_uniform_line():
     fig = plots.alpha_trajectories(rows, applied, NAMES)
     assert len(fig.data) == 9  # applied + EMA + solves per reward
     ema_a = next(t for t in fig.data if t.name == "a ᾱ (EMA)")
-    assert ema_a.y == (0.2, 0.32)
+    assert list(ema_a.y) == [0.2, 0.32]
     assert any(abs(s.y0 - 1 / 3) < 1e-12 for s in fig.layout.shapes)
 
 
