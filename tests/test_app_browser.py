@@ -127,6 +127,13 @@ DRAWN = ("(p => p && p._fullData ? p._fullData.filter(t => { const v = t.type ==
          " return v && v.length > 0; }).length : 0)")
 
 
+def pick(page, elem: str, *options: str) -> None:
+    """Choose ``options`` in the dropdown #elem (one after the other for a multiselect)."""
+    for option in options:
+        page.locator(f"#{elem} input").click()
+        page.get_by_role("option", name=option).first.click()
+
+
 def plot_traces(page, elem: str) -> int:
     return page.evaluate(f"() => {DRAWN}(document.querySelector('#{elem} .js-plotly-plot'))")
 
@@ -157,8 +164,7 @@ def test_start_a_run_watch_it_train_then_cancel_it(page, server):
     tab(page, "Dashboard")
     page.locator("#dash-reload").click()
     page.wait_for_timeout(1500)
-    page.locator("#dash-run input").click()
-    page.get_by_role("option", name="long run").first.click()
+    pick(page, "dash-run", "long run")
     # The run trains: the header shows progress and the plots fill with data.
     deadline = time.time() + 240
     while time.time() < deadline and not (plot_traces(page, "plot-rewards") > 0
@@ -175,8 +181,7 @@ def test_start_a_run_watch_it_train_then_cancel_it(page, server):
     shot(page, "dashboard")
 
     tab(page, "Runs")
-    page.locator("#runs-pick input").click()
-    page.get_by_role("option", name="long run").first.click()
+    pick(page, "runs-pick", "long run")
     page.locator("#run-cancel").click()
     page.locator("#runs-message").get_by_text("cancel requested").wait_for(timeout=20_000)
     page.wait_for_function("() => document.querySelector('#runs-table').innerText.includes('cancelled')",
@@ -200,10 +205,7 @@ def test_compare_two_checkpoints_side_by_side(page, server):
     tab(page, "Compare")
     page.locator("#compare-reload").click()
     page.wait_for_timeout(1500)
-    entries = page.locator("#compare-entries input")
-    for label in ("short run · step 1", "short run · step 2"):
-        entries.click()
-        page.get_by_role("option", name=label).first.click()
+    pick(page, "compare-entries", "short run · step 1", "short run · step 2")
     page.locator("#compare-prompts textarea").fill("a red circle\na blue square")
     page.locator("#compare-seeds input, #compare-seeds textarea").first.fill("0")
     page.locator("#compare-start").click()
@@ -223,9 +225,7 @@ def test_study_and_replay_pages_render_the_runs(page, server):
     tab(page, "Study")
     page.locator("#study-reload").click()
     page.wait_for_timeout(1000)
-    for name in ("long run", "short run"):
-        page.locator("#study-runs input").click()
-        page.get_by_role("option", name=name).first.click()
+    pick(page, "study-runs", "long run", "short run")
     page.keyboard.press("Escape")
     # both runs rendered: the Pareto front plus one point per run, and both rows in the table
     wait_for_traces(page, "plot-pareto", at_least=3)
@@ -236,7 +236,6 @@ def test_study_and_replay_pages_render_the_runs(page, server):
     tab(page, "Replay")
     page.locator("#replay-reload").click()
     page.wait_for_timeout(1000)
-    page.locator("#replay-run input").click()
-    page.get_by_role("option", name="long run").first.click()
+    pick(page, "replay-run", "long run")
     wait_for_traces(page, "plot-replay")  # the first replay compiles the QP
     shot(page, "replay")
