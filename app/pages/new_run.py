@@ -40,25 +40,40 @@ def start(preset_name: str, run_name: str, rewards: list[str], weights: str, sta
     return "", f"Queued run **#{run_id}** ({cfg.balance.strategy}, {cfg.steps} steps). Open it in *Dashboard*."
 
 
+MAX_STUDY_SEEDS = 16
+
+
 def start_study(preset_name: str, run_name: str, rewards: list[str], weights: str, stages: str, single: str | None,
-                sources: list[str], strategies: list[str], fields: list[FormField],
+                sources: list[str], strategies: list[str], seeds: float | int | None, fields: list[FormField],
                 values: list[Any]) -> tuple[str, str]:
-    """The same config and budget once per strategy; all validated before any is queued."""
+    """The same config and budget once per strategy and seed (seeds = the form's seed, +1, +2, ...); all
+    validated before any is queued. One seed per strategy says little on a small model: which seed
+    collapses varies (docs/mini-world.md), so a study can repeat every strategy over seeds."""
     from jobs.runner import ensure_worker, submit
 
     if len(strategies) < 2:
         return "**Not started.** `study: pick at least two strategies to compare`", ""
+    if seeds is None or seeds != int(seeds) or not 1 <= int(seeds) <= MAX_STUDY_SEEDS:
+        return (f"**Not started.** `study: seeds per strategy = {seeds!r}: must be an integer from 1 to "
+                f"{MAX_STUDY_SEEDS}`", "")
+    n_seeds = int(seeds)
     label = (run_name or "").strip() or time.strftime("study %m-%d %H:%M")
     configs = []
     try:
         for strategy in strategies:
             vals = {f.path: (strategy if f.path == "balance.strategy" else v) for f, v in zip(fields, values)}
-            configs.append(build_config(preset_name, vals, rewards, weights, stages, single, sources))
+            cfg = build_config(preset_name, vals, rewards, weights, stages, single, sources)
+            configs += [cfg.with_overrides({"seed": cfg.seed + i}) for i in range(n_seeds)]
     except ConfigError as e:
         return f"**Not started** (strategy {strategy}). `{e}`", ""
-    ids = [submit(context.store(), c, preset=preset_name, name=f"{label} · {c.balance.strategy}") for c in configs]
+
+    def name(c) -> str:
+        return f"{label} · {c.balance.strategy}" + (f" · seed {c.seed}" if n_seeds > 1 else "")
+
+    ids = [submit(context.store(), c, preset=preset_name, name=name(c)) for c in configs]
     ensure_worker(context.store())
-    return "", f"Queued study **{label}**: runs {', '.join(f'#{i}' for i in ids)} (same budget, one per strategy)."
+    each = "one per strategy" if n_seeds == 1 else f"{n_seeds} seeds per strategy"
+    return "", f"Queued study **{label}**: runs {', '.join(f'#{i}' for i in ids)} (same budget, {each})."
 
 
 # ---- layout --------------------------------------------------------------------------------------
@@ -115,6 +130,8 @@ def build() -> dict:
             start_btn = gr.Button("Start run", variant="primary", elem_id="start-run")
             study_strats = gr.CheckboxGroup(choices=[c for c in fields[0].choices], value=STUDY_DEFAULT,
                                             label="Study: strategies", elem_id="study-strategies")
+            study_seeds = gr.Number(value=1, precision=0, minimum=1, maximum=MAX_STUDY_SEEDS,
+                                    label="Study: seeds per strategy", elem_id="study-seeds")
             study_btn = gr.Button("Start study", elem_id="start-study")
         status = gr.Markdown(elem_id="start-status")
 
@@ -122,7 +139,7 @@ def build() -> dict:
     preset_box.input(lambda p: preset_values(p, fields), preset_box, widgets + extras)
     start_btn.click(lambda p, n, r, w, st, si, so, *vals: start(p, n, r, w, st, si, so, fields, list(vals)),
                     [preset_box, name_box, *extras, *widgets], [error, status])
-    study_btn.click(lambda p, n, r, w, st, si, so, strats, *vals: start_study(p, n, r, w, st, si, so, strats, fields,
-                                                                               list(vals)),
-                    [preset_box, name_box, *extras, study_strats, *widgets], [error, status])
+    study_btn.click(lambda p, n, r, w, st, si, so, strats, seeds, *vals: start_study(p, n, r, w, st, si, so, strats,
+                                                                                      seeds, fields, list(vals)),
+                    [preset_box, name_box, *extras, study_strats, study_seeds, *widgets], [error, status])
     return {"preset": preset_box, "widgets": widgets, "fields": fields, "extras": extras, "name": name_box}

@@ -59,10 +59,31 @@ def study_table(run_ids: list[int]) -> tuple[pd.DataFrame, list[dict]]:
     return pd.DataFrame(rows), points
 
 
+def by_strategy(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per strategy: how many runs, and mean ± sample std over them of every improvement column
+    (Δ per reward and the composite) — the spread over seeds that one run per strategy cannot show."""
+    if df.empty or "strategy" not in df:
+        return pd.DataFrame()
+    cols = [c for c in df.columns if c.startswith("Δ") or c == "composite (σ)"]
+    rows = []
+    for strategy, group in df.groupby("strategy", sort=False):
+        row: dict[str, Any] = {"strategy": strategy, "runs": len(group)}
+        for c in cols:
+            vals = pd.to_numeric(group[c], errors="coerce").dropna()
+            if vals.empty:
+                row[c] = ""
+            elif len(vals) == 1:
+                row[c] = f"{vals.iloc[0]:+.3f}"
+            else:
+                row[c] = f"{vals.mean():+.3f} ± {vals.std(ddof=1):.3f}"
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def render(run_ids: list[int], x_reward: str | None, y_reward: str | None):
     if not run_ids:
         empty = plots.empty_figure("Study", "Pick two or more runs.")
-        return pd.DataFrame(), empty, empty, gr.update(choices=[]), gr.update(choices=[]), None
+        return pd.DataFrame(), pd.DataFrame(), empty, empty, gr.update(choices=[]), gr.update(choices=[]), None
     df, points = study_table([int(r) for r in run_ids])
     names = sorted({k for p in points for k in p["scores"]})
     x = x_reward if x_reward in names else (names[0] if names else None)
@@ -71,8 +92,8 @@ def render(run_ids: list[int], x_reward: str | None, y_reward: str | None):
     overlay = plots.alpha_overlay(points, names)
     path = tempfile.NamedTemporaryFile(prefix="marble_study_", suffix=".csv", delete=False).name
     df.to_csv(path, index=False)
-    return (df.round(4), pareto, overlay, gr.update(choices=names, value=x), gr.update(choices=names, value=y),
-            path)
+    return (df.round(4), by_strategy(df), pareto, overlay, gr.update(choices=names, value=x),
+            gr.update(choices=names, value=y), path)
 
 
 def build() -> dict:
@@ -81,6 +102,8 @@ def build() -> dict:
         reload_btn = gr.Button("Reload runs", scale=1, elem_id="study-reload")
     table = gr.Dataframe(label="Per-reward means (last 10% of steps) and improvement in σ units",
                          interactive=False, elem_id="study-table")
+    summary = gr.Dataframe(label="By strategy: runs, and mean ± std over them of each improvement (seeds)",
+                           interactive=False, elem_id="study-summary")
     with gr.Row():
         x_pick = gr.Dropdown(choices=[], label="Pareto x", elem_id="study-x")
         y_pick = gr.Dropdown(choices=[], label="Pareto y", elem_id="study-y")
@@ -88,7 +111,7 @@ def build() -> dict:
     pareto = gr.Plot(label="Pareto", elem_id="plot-pareto")
     overlay = gr.Plot(label="ᾱ overlay", elem_id="plot-overlay")
     reload_btn.click(lambda: gr.update(choices=context.run_choices()), None, runs)
-    outs = [table, pareto, overlay, x_pick, y_pick, csv]
+    outs = [table, summary, pareto, overlay, x_pick, y_pick, csv]
     runs.change(render, [runs, x_pick, y_pick], outs)
     x_pick.input(render, [runs, x_pick, y_pick], outs)
     y_pick.input(render, [runs, x_pick, y_pick], outs)
