@@ -305,7 +305,8 @@ def study(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSetting
     doc = {"settings": base.key, "runs": results,
            "base": {n: _stats(v)[:2] for n, v in base.scores.items()}}
     (out / "study.json").write_text(json.dumps(doc, indent=2) + "\n")
-    (out / "study.md").write_text(study_table(results, base) + "\n")
+    summary = strategy_summary(results)
+    (out / "study.md").write_text(study_table(results, base) + ("\n\n" + summary if summary else "") + "\n")
     return doc
 
 
@@ -335,6 +336,35 @@ def study_table(results: list[dict], base: BaseEvaluation) -> str:
               "over all rewards; a composite can be carried by one reward, so the table also counts the training "
               "rewards that improved and gives the worst one. Worst cos: the share of diagnosed steps where some reward's gradient points "
               "against the applied update, and the mean of that worst cosine."]
+    return "\n".join(lines)
+
+
+def strategy_summary(results: list[dict]) -> str:
+    """Runs grouped by strategy (several seeds of one preset): mean ± sample std over the runs of each
+    training reward's Δ/std and of the composite, and how many runs improved every training reward.
+    Empty when no strategy has two runs."""
+    groups: dict[str, list[dict]] = {}
+    for r in results:
+        groups.setdefault(r["strategy"], []).append(r)
+    if all(len(g) < 2 for g in groups.values()):
+        return ""
+    train = list(dict.fromkeys(n for r in results for n in r["train_rewards"]))
+
+    def spread(values: list[float]) -> str:
+        v = [x for x in values if math.isfinite(x)]
+        if not v:
+            return "n/a"
+        return f"{np.mean(v):+.2f}" + (f" ± {np.std(v, ddof=1):.2f}" if len(v) > 1 else "")
+
+    lines = ["| strategy | runs | " + " | ".join(f"{n} Δ/std" for n in train) +
+             " | composite (train) | runs with every training reward up |",
+             "|---|---:|" + "---:|" * (len(train) + 2)]
+    for strategy, runs in groups.items():
+        cells = [spread([r["rewards"][n]["z"] for r in runs if n in r["train_rewards"]]) for n in train]
+        all_up = sum(all(r["rewards"][n]["z"] > 0 for n in r["train_rewards"]) for r in runs)
+        lines.append(f"| {strategy} | {len(runs)} | " + " | ".join(cells) +
+                     f" | {spread([r['composite_train'] for r in runs])} | {all_up} of {len(runs)} |")
+    lines += ["", "Mean ± sample std over the runs of each strategy (runs differing only in their seed)."]
     return "\n".join(lines)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from core.evaluate import EvalSettings, compare, eval_reward_names, main, study
+from core.evaluate import EvalSettings, compare, eval_reward_names, main, strategy_summary, study
 from core.train import main as train_main
 from tests.helpers import small_config
 
@@ -26,6 +26,20 @@ def test_composite_is_the_sum_of_improvements_in_base_std_units():
     assert out["composite_train"] == pytest.approx(1.0 / std_a)
     assert out["composite_all"] == pytest.approx(1.0 / std_a - 1.0 / std_b)
     assert out["rewards"]["a"]["trained_on"] and not out["rewards"]["b"]["trained_on"]
+
+
+def test_strategy_summary_spreads_each_strategy_over_its_seeds():
+    def result(strategy, za, zb):
+        return {"strategy": strategy, "train_rewards": ["a", "b"], "composite_train": za + zb,
+                "rewards": {"a": {"z": za}, "b": {"z": zb}}}
+
+    one_each = [result("marble", 1.0, 1.0), result("weighted_sum", 2.0, -1.0)]
+    assert strategy_summary(one_each) == ""  # nothing to spread: the per-run table says it all
+    lines = strategy_summary(one_each + [result("marble", 3.0, -0.5)]).splitlines()
+    marble = next(line for line in lines if line.startswith("| marble |"))
+    # a: 1 and 3 -> +2.00 ± 1.41; b: 1 and -0.5 -> +0.25 ± 1.06; composite 2 and 2.5; one run has both up
+    assert marble == "| marble | 2 | +2.00 ± 1.41 | +0.25 ± 1.06 | +2.25 ± 0.35 | 1 of 2 |"
+    assert "| weighted_sum | 1 | +2.00 | -1.00 | +1.00 | 0 of 1 |" in lines
 
 
 def test_evaluation_uses_training_rewards_first_then_offline_held_out_ones():
