@@ -51,9 +51,11 @@ def _finite(values: Iterable[float | None]) -> list[float | None]:
 
 
 def _arr(values: Iterable[float | None]) -> np.ndarray:
-    """A float array with NaN for missing values (a gap in the line; Plotly's JSON writes null). Plotly
-    validates a Python list element by element and takes an array as it is: ~5x faster on long runs."""
-    return np.asarray([np.nan if v is None else v for v in values], dtype=float)
+    """A float array with NaN for missing or non-finite values (a gap in the line, as ``_finite``'s None).
+    Plotly validates a Python list element by element and takes an array as it is: ~5x faster on long runs."""
+    a = np.asarray([np.nan if v is None else v for v in values], dtype=float)
+    a[~np.isfinite(a)] = np.nan
+    return a
 
 
 def ema(values: Sequence[float | None], weight: float) -> list[float | None]:
@@ -81,7 +83,6 @@ def reward_curves(series: dict[str, tuple[list[int], list[float | None]]], rewar
     fig = make_subplots(rows=1, cols=len(names), subplot_titles=names, horizontal_spacing=0.06)
     for i, name in enumerate(names):
         steps, values = series[f"reward/{name}"]
-        values = _finite(values)
         fig.add_trace(go.Scatter(x=_arr(steps), y=_arr(values), mode="lines", line=dict(color=colour(i), width=1),
                                  opacity=0.35, name=f"{name} (raw)", showlegend=False), row=1, col=i + 1)
         fig.add_trace(go.Scatter(x=_arr(steps), y=_arr(ema(values, smoothing)), mode="lines",
@@ -103,13 +104,14 @@ def alpha_trajectories(balance_rows: Sequence[dict], applied: dict[str, tuple[li
         c = colour(i)
         if f"alpha/{name}" in applied:
             steps, values = applied[f"alpha/{name}"]
-            fig.add_trace(go.Scatter(x=_arr(steps), y=_arr(_finite(values)), mode="lines", line=dict(color=c, width=1, dash="dot"),
-                                     name=f"{name} applied", legendgroup=name, showlegend=False))
+            fig.add_trace(go.Scatter(x=_arr(steps), y=_arr(values), mode="lines",
+                                     line=dict(color=c, width=1, dash="dot"), name=f"{name} applied",
+                                     legendgroup=name, showlegend=False))
         if full:
             xs = _arr(r["step"] for r in full)
-            fig.add_trace(go.Scatter(x=xs, y=_arr(_finite(r["alpha_ema"].get(name) for r in full)), mode="lines",
+            fig.add_trace(go.Scatter(x=xs, y=_arr(r["alpha_ema"].get(name) for r in full), mode="lines",
                                      line=dict(color=c, width=2.5), name=f"{name} ᾱ (EMA)", legendgroup=name))
-            fig.add_trace(go.Scatter(x=xs, y=_arr(_finite(r["alpha_raw"].get(name) for r in full)), mode="markers",
+            fig.add_trace(go.Scatter(x=xs, y=_arr(r["alpha_raw"].get(name) for r in full), mode="markers",
                                      marker=dict(color=c, size=7, symbol="circle-open"), name=f"{name} α* (solve)",
                                      legendgroup=name, showlegend=False))
     k = len(reward_names)
@@ -150,8 +152,7 @@ def conflict_panels(balance_rows: Sequence[dict], reward_names: Sequence[str],
                                         "mean over rewards", "variance over rewards"))
     xs = _arr(stats["steps"])
     for i, name in enumerate(reward_names):
-        fig.add_trace(go.Scatter(x=xs, y=_arr(_finite(r["cos_to_update"].get(name) for r in rows)),
-                                 mode="lines+markers",
+        fig.add_trace(go.Scatter(x=xs, y=_arr(r["cos_to_update"].get(name) for r in rows), mode="lines+markers",
                                  marker=dict(size=4), line=dict(color=colour(i)), name=name), row=1, col=1)
     fig.add_trace(go.Scatter(x=xs, y=_arr(stats["min"]), mode="lines+markers", marker=dict(size=4),
                              line=dict(color="#E45756"), name="min", showlegend=False), row=1, col=2)

@@ -39,6 +39,8 @@ def test_reward_curves_have_raw_and_smoothed_traces_per_reward():
     smoothed = fig.data[1].y  # a float array: a missing value is NaN, a gap in the line
     assert list(smoothed[:2]) == [0.0, pytest.approx(2 / 3)] and math.isnan(smoothed[2])  # EMA skips missing
     assert fig.layout.uirevision == "rewards"
+    spiky = plots.reward_curves({"reward/a": ([1, 2], [float("inf"), 1.0])}, ["a"])
+    assert math.isnan(spiky.data[0].y[0]) and spiky.data[0].y[1] == 1.0  # non-finite -> a gap, not a spike
     empty = plots.reward_curves({}, ["a"])
     assert not empty.data and "No steps recorded yet" in empty.layout.annotations[0].text
 
