@@ -339,6 +339,14 @@ def study_table(results: list[dict], base: BaseEvaluation) -> str:
     return "\n".join(lines)
 
 
+def mean_pm_std(values, digits: int = 2, empty: str = "n/a") -> str:
+    """"+m ± s" over the finite values (sample std), "+m" for one value, ``empty`` for none."""
+    v = [float(x) for x in values if x is not None and math.isfinite(x)]
+    if not v:
+        return empty
+    return f"{np.mean(v):+.{digits}f}" + (f" ± {np.std(v, ddof=1):.{digits}f}" if len(v) > 1 else "")
+
+
 def strategy_summary(results: list[dict]) -> str:
     """Runs grouped by strategy (several seeds of one preset): mean ± sample std over the runs of each
     training reward's Δ/std and of the composite, and how many runs improved every training reward.
@@ -349,21 +357,14 @@ def strategy_summary(results: list[dict]) -> str:
     if all(len(g) < 2 for g in groups.values()):
         return ""
     train = list(dict.fromkeys(n for r in results for n in r["train_rewards"]))
-
-    def spread(values: list[float]) -> str:
-        v = [x for x in values if math.isfinite(x)]
-        if not v:
-            return "n/a"
-        return f"{np.mean(v):+.2f}" + (f" ± {np.std(v, ddof=1):.2f}" if len(v) > 1 else "")
-
     lines = ["| strategy | runs | " + " | ".join(f"{n} Δ/std" for n in train) +
              " | composite (train) | runs with every training reward up |",
              "|---|---:|" + "---:|" * (len(train) + 2)]
     for strategy, runs in groups.items():
-        cells = [spread([r["rewards"][n]["z"] for r in runs if n in r["train_rewards"]]) for n in train]
+        cells = [mean_pm_std([r["rewards"][n]["z"] for r in runs if n in r["train_rewards"]]) for n in train]
         all_up = sum(all(r["rewards"][n]["z"] > 0 for n in r["train_rewards"]) for r in runs)
         lines.append(f"| {strategy} | {len(runs)} | " + " | ".join(cells) +
-                     f" | {spread([r['composite_train'] for r in runs])} | {all_up} of {len(runs)} |")
+                     f" | {mean_pm_std([r['composite_train'] for r in runs])} | {all_up} of {len(runs)} |")
     lines += ["", "Mean ± sample std over the runs of each strategy (runs differing only in their seed)."]
     return "\n".join(lines)
 

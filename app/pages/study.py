@@ -12,6 +12,7 @@ import gradio as gr
 import pandas as pd
 
 from app import context, plots
+from core.evaluate import mean_pm_std
 
 WINDOW = 0.1  # share of a run's steps averaged for its start and end values
 
@@ -69,13 +70,7 @@ def by_strategy(df: pd.DataFrame) -> pd.DataFrame:
     for strategy, group in df.groupby("strategy", sort=False):
         row: dict[str, Any] = {"strategy": strategy, "runs": len(group)}
         for c in cols:
-            vals = pd.to_numeric(group[c], errors="coerce").dropna()
-            if vals.empty:
-                row[c] = ""
-            elif len(vals) == 1:
-                row[c] = f"{vals.iloc[0]:+.3f}"
-            else:
-                row[c] = f"{vals.mean():+.3f} ± {vals.std(ddof=1):.3f}"
+            row[c] = mean_pm_std(pd.to_numeric(group[c], errors="coerce"), digits=3, empty="")
         rows.append(row)
     return pd.DataFrame(rows)
 
