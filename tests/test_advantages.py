@@ -61,9 +61,10 @@ def test_invariant_to_shift_and_positive_scale(seed, k, a, b, std_mode):
     rewards, groups = random_batch(seed, nan_frac=0.2)
     moved = rewards.copy()
     moved[:, k] = a * moved[:, k] + b
-    A, A_moved = adv(rewards, groups, std_mode), adv(moved, groups, std_mode)
-    # exact up to the eps in σ + eps: |ΔA| <= |A|·eps/σ with σ ~ 3 here
-    np.testing.assert_allclose(A_moved, A, rtol=1e-4, atol=1e-4, equal_nan=True)
+    # Exact but for the eps in σ + eps, which moves A by up to |A|·eps/σ: with group σ over 6 samples σ can be
+    # small enough for that to pass 1e-4 (Hypothesis found seed 115). A negligible eps tests the property itself.
+    A, A_moved = adv(rewards, groups, std_mode, eps=1e-12), adv(moved, groups, std_mode, eps=1e-12)
+    np.testing.assert_allclose(A_moved, A, rtol=1e-7, atol=1e-9, equal_nan=True)
 
 
 @pytest.mark.parametrize("std_mode", ["global", "group"])
