@@ -37,7 +37,9 @@ marble_pg_start() {
     chown "$owner" "$MARBLE_PG_DIR"
     local port
     port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-    if ! "${as_user[@]}" "$bindir/initdb" -D "$MARBLE_PG_DIR/data" -U postgres -A trust --no-sync \
+    # UTF8 whatever the caller's locale: with none set (a bare CI shell) initdb picks SQL_ASCII, psycopg then
+    # returns the server version as bytes and SQLAlchemy cannot parse it.
+    if ! "${as_user[@]}" "$bindir/initdb" -D "$MARBLE_PG_DIR/data" -U postgres -A trust --no-sync -E UTF8 --locale=C \
             >"$MARBLE_PG_DIR/initdb.log" 2>&1; then
         echo "PostgreSQL: initdb failed ($(tail -n 3 "$MARBLE_PG_DIR/initdb.log" | tr '\n' ' ')); its tests will be skipped"
         return 0
