@@ -97,7 +97,8 @@ def build() -> dict:
         reload_btn = gr.Button("Reload runs", scale=1, elem_id="study-reload")
     table = gr.Dataframe(label="Per-reward means (last 10% of steps) and improvement in σ units",
                          interactive=False, elem_id="study-table")
-    summary = gr.Dataframe(label="By strategy: runs, and mean ± std over them of each improvement (seeds)",
+    summary = gr.Dataframe(label="By strategy: the chosen runs of each strategy pooled (e.g. a study's seeds), "
+                                 "mean ± std of each improvement",
                            interactive=False, elem_id="study-summary")
     with gr.Row():
         x_pick = gr.Dropdown(choices=[], label="Pareto x", elem_id="study-x")
