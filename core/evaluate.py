@@ -273,7 +273,6 @@ def study(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSetting
     """Evaluate runs that share a model, prompts and sampler against one base evaluation; write
     study.md, study.json, alpha.png and worst_cosine.png into ``out_dir``."""
     from core.config import TrainConfig
-    from core.figures import line_panels
 
     settings.validate()
     runs = [Path(r) for r in run_dirs]
@@ -286,28 +285,73 @@ def study(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSetting
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    alpha_panels, cos_series = [], {}
-    for r, res in zip(runs, results):
-        events = read_events(r)
-        label = r.name
-        alpha: dict[str, list[tuple[float, float]]] = {}
-        for ev in events:
-            if ev.get("event") == "step":
-                for n, a in (ev.get("alpha") or {}).items():
-                    alpha.setdefault(n, []).append((ev["step"], a))
-        alpha_panels.append((f"{label} ({res['strategy']})", alpha))
-        cos_series[label] = [(s, c) for s, c in worst_cosines(events)]
-    line_panels(alpha_panels, out / "alpha.png", ylabel="alpha_k", y_range=(0.0, 1.0),
-                title="Reward coefficients alpha_k applied at each step (the EMA-smoothed QP weights for MARBLE)")
-    line_panels([("worst reward: min over k of cos(g_k, update)", cos_series)], out / "worst_cosine.png",
-                ylabel="cosine", y_range=(-1.0, 1.0), hline=0.0, columns=1, panel_size=(760, 360),
-                title="Worst per-reward gradient cosine with the applied update (diagnosed steps)")
+    write_figures(runs, results, out)
     doc = {"settings": base.key, "runs": results,
            "base": {n: _stats(v)[:2] for n, v in base.scores.items()}}
     (out / "study.json").write_text(json.dumps(doc, indent=2) + "\n")
     summary = strategy_summary(results)
     (out / "study.md").write_text(study_table(results, base) + ("\n\n" + summary if summary else "") + "\n")
     return doc
+
+
+def _mean_series(series: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """The mean over several runs' (step, value) series at every step any of them has."""
+    at: dict[float, list[float]] = {}
+    for s in series:
+        for x, y in s:
+            at.setdefault(x, []).append(y)
+    return [(x, float(np.mean(ys))) for x, ys in sorted(at.items())]
+
+
+def write_figures(runs: list[Path], results: list[dict], out: Path) -> list[Path]:
+    """alpha.png and worst_cosine.png from the runs' events.jsonl. When a strategy has several runs (seeds),
+    its runs are drawn as one panel / one line — their mean at each step — and seeds.png shows every run's
+    Δ/std per training reward, one column per strategy, so a seed study stays readable."""
+    from core.figures import line_panels, strip_panels
+
+    groups: dict[str, list[tuple[Path, dict]]] = {}
+    for r, res in zip(runs, results):
+        groups.setdefault(res["strategy"], []).append((r, res))
+    seeded = any(len(g) > 1 for g in groups.values())
+    if seeded:  # (panel title, line label, runs)
+        units = [(f"{s} (mean of {len(g)} runs)" if len(g) > 1 else f"{g[0][0].name} ({s})",
+                  f"{s} (mean of {len(g)})" if len(g) > 1 else g[0][0].name, g) for s, g in groups.items()]
+    else:
+        units = [(f"{r.name} ({res['strategy']})", r.name, [(r, res)]) for r, res in zip(runs, results)]
+    alpha_panels, cos_series = [], {}
+    for title, label, members in units:
+        alphas: dict[str, list[list[tuple[float, float]]]] = {}
+        cosines = []
+        for r, _ in members:
+            events = read_events(r)
+            per_run: dict[str, list[tuple[float, float]]] = {}
+            for ev in events:
+                if ev.get("event") == "step":
+                    for n, a in (ev.get("alpha") or {}).items():
+                        per_run.setdefault(n, []).append((ev["step"], a))
+            for n, s in per_run.items():
+                alphas.setdefault(n, []).append(s)
+            cosines.append(worst_cosines(events))
+        alpha_panels.append((title, {n: _mean_series(s) for n, s in alphas.items()}))
+        cos_series[label] = _mean_series(cosines)
+    paths = [line_panels(alpha_panels, out / "alpha.png", ylabel="alpha_k", y_range=(0.0, 1.0),
+                         title="Reward coefficients alpha_k applied at each step (the EMA-smoothed QP weights "
+                               "for MARBLE)" + ("; strategies with several runs: their mean" if seeded else "")),
+             line_panels([("worst reward: min over k of cos(g_k, update)" + (", mean over a strategy's runs"
+                                                                              if seeded else ""), cos_series)],
+                         out / "worst_cosine.png", ylabel="cosine", y_range=(-1.0, 1.0), hline=0.0, columns=1,
+                         panel_size=(760, 360),
+                         title="Worst per-reward gradient cosine with the applied update (diagnosed steps)")]
+    if seeded:
+        train = list(dict.fromkeys(n for res in results for n in res["train_rewards"]))
+        panels = [(f"{n} (trained on)", {s: [res["rewards"][n]["z"] for _, res in g if n in res["train_rewards"]]
+                                         for s, g in groups.items()}) for n in train]
+        panels.append(("composite over the training rewards",
+                       {s: [res["composite_train"] for _, res in g] for s, g in groups.items()}))
+        paths.append(strip_panels(panels, out / "seeds.png", ylabel="delta / base std",
+                                  title="Held-out improvement over the base model: one dot per run (seed), "
+                                        "bar = mean"))
+    return paths
 
 
 def study_table(results: list[dict], base: BaseEvaluation) -> str:

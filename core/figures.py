@@ -102,3 +102,60 @@ def line_panels(panels: list[tuple[str, Series]], path: str | Path, ylabel: str 
     path.parent.mkdir(parents=True, exist_ok=True)
     img.save(path)
     return path
+
+
+def strip_panels(panels: list[tuple[str, dict[str, list[float]]]], path: str | Path, ylabel: str = "",
+                 hline: float | None = 0.0, columns: int = 2, panel_size: tuple[int, int] = (460, 300),
+                 title: str = "") -> Path:
+    """Draw ``panels`` (title, {category: [values]}) as strip charts and save a PNG at ``path``.
+
+    Each category is a column: one dot per value (spread sideways so equal values stay visible) and a
+    black bar at the mean. Categories keep their colour across panels; non-finite values are skipped.
+    Made for "one dot per seed, one column per strategy".
+    """
+    names = list(dict.fromkeys(n for _, cats in panels for n in cats))
+    color = {n: COLORS[i % len(COLORS)] for i, n in enumerate(names)}
+    cols = max(1, min(columns, len(panels)))
+    rows = max(1, math.ceil(len(panels) / cols))
+    pw, ph = panel_size
+    top = 30 if title else 8
+    img = Image.new("RGB", (cols * pw, top + rows * ph), "white")
+    pen = ImageDraw.Draw(img)
+    if title:
+        pen.text((10, 8), title, fill="black")
+    for i, (ptitle, cats) in enumerate(panels):
+        ox, oy = (i % cols) * pw, top + (i // cols) * ph
+        left, right, up, down = ox + 58, ox + pw - 14, oy + 22, oy + ph - 36
+        ys = [v for vals in cats.values() for v in vals if v is not None and math.isfinite(v)]
+        ys += [hline] if hline is not None else []
+        y0, y1 = (min(ys), max(ys)) if ys else (0.0, 1.0)
+        pad = (y1 - y0) * 0.08 or 0.5
+        y0, y1 = y0 - pad, y1 + pad
+        sy = lambda y: down - (y - y0) / (y1 - y0) * (down - up)  # noqa: E731
+        pen.rectangle([left, up, right, down], outline=(90, 90, 90))
+        pen.text((left, oy + 4), ptitle, fill="black")
+        for t in _nice_ticks(y0, y1):
+            pen.line([left - 4, sy(t), left, sy(t)], fill=(90, 90, 90))
+            pen.line([left + 1, sy(t), right - 1, sy(t)], fill=(235, 235, 235))
+            pen.text((ox + 4, sy(t) - 6), _fmt(t), fill=(60, 60, 60))
+        if ylabel:
+            pen.text((left + 4, up + 2), ylabel, fill=(120, 120, 120))
+        if hline is not None:
+            for xa in range(int(left), int(right), 8):
+                pen.line([xa, sy(hline), min(xa + 4, right), sy(hline)], fill=(0, 0, 0))
+        width = (right - left) / max(1, len(cats))
+        for j, (name, vals) in enumerate(cats.items()):
+            cx = left + (j + 0.5) * width
+            label = name if len(name) * 6 < width else name[: max(1, int(width / 6) - 1)] + "…"
+            pen.text((cx - len(label) * 3, down + 8), label, fill=(60, 60, 60))
+            finite = [v for v in vals if v is not None and math.isfinite(v)]
+            if finite:  # the mean first, so the dots stay whole on top of it
+                m = sum(finite) / len(finite)
+                pen.line([cx - width * 0.3, sy(m), cx + width * 0.3, sy(m)], fill=(0, 0, 0), width=2)
+            for k, v in enumerate(finite):
+                dx = (k - (len(finite) - 1) / 2) * min(10.0, width * 0.5 / max(1, len(finite)))
+                pen.ellipse([cx + dx - 4, sy(v) - 4, cx + dx + 4, sy(v) + 4], fill=color[name])
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path)
+    return path

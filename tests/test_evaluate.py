@@ -6,8 +6,10 @@ import math
 import numpy as np
 import pytest
 from PIL import Image
+from scipy import ndimage
 
-from core.evaluate import EvalSettings, compare, eval_reward_names, main, strategy_summary, study
+from core.evaluate import EvalSettings, compare, eval_reward_names, main, strategy_summary, study, write_figures
+from core.figures import COLORS, strip_panels
 from core.train import main as train_main
 from tests.helpers import small_config
 
@@ -93,6 +95,43 @@ def test_study_writes_the_table_and_figures_from_the_runs_own_logs(runs, tmp_pat
         img = np.asarray(Image.open(tmp_path / "study" / name).convert("RGB"))
         assert img.shape[1] > 400 and len(np.unique(img.reshape(-1, 3), axis=0)) > 5  # not blank
     assert doc["runs"][0]["training"]["diagnosed_steps"] == 2
+
+
+def _dot_rows(img, rgb):
+    """Row centres of the separate dots of one colour (rows that contain it, split where they stop)."""
+    rows = np.flatnonzero((img == rgb).all(axis=2).any(axis=1))
+    return [float(np.mean(c)) for c in np.split(rows, np.flatnonzero(np.diff(rows) > 1) + 1) if len(c)]
+
+
+def test_strip_chart_puts_one_dot_per_value_at_its_height(tmp_path):
+    path = strip_panels([("p", {"a": [1.0], "b": [-1.0, 0.5]})], tmp_path / "s.png")
+    img = np.asarray(Image.open(path).convert("RGB"))
+    (a,) = _dot_rows(img, COLORS[0])
+    b_high, b_low = _dot_rows(img, COLORS[1])
+    assert a < b_high < b_low  # image rows grow downwards: 1.0 above 0.5 above -1.0
+    cols = lambda rgb: np.flatnonzero((img == rgb).all(axis=2).any(axis=0)).mean()  # noqa: E731
+    assert cols(COLORS[0]) < cols(COLORS[1])  # categories left to right in order
+
+
+def test_a_seed_study_draws_one_panel_per_strategy_and_every_seed(runs, tmp_path):
+    def result(strategy, z):
+        return {"strategy": strategy, "train_rewards": ["count_accuracy"], "composite_train": z,
+                "rewards": {"count_accuracy": {"z": z}}}
+
+    marble, wsum = runs
+    paths = write_figures([marble, marble, wsum], [result("marble", 0.5), result("marble", -0.5),
+                                                   result("weighted_sum", 1.0)], tmp_path)
+    assert [p.name for p in paths] == ["alpha.png", "worst_cosine.png", "seeds.png"]
+    # two strategies -> two α panels (one row), where three single runs would take two rows
+    single = write_figures([marble, marble, wsum], [result("marble", 0.5), result("equal", -0.5),
+                                                    result("weighted_sum", 1.0)], tmp_path / "single")
+    assert len(single) == 2  # no seeds figure without a strategy that has several runs
+    h_seeded = Image.open(paths[0]).size[1]
+    h_single = Image.open(single[0]).size[1]
+    assert h_seeded < h_single
+    seeds = np.asarray(Image.open(paths[2]).convert("RGB"))
+    assert ndimage.label((seeds == COLORS[0]).all(axis=2))[1] == 4  # marble: 2 seeds x 2 panels (reward, composite)
+    assert ndimage.label((seeds == COLORS[1]).all(axis=2))[1] == 2  # weighted sum: 1 run x 2 panels
 
 
 def test_errors_name_the_problem(tmp_path, capsys):
