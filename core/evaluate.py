@@ -5,7 +5,7 @@
 
 ``--run``: generates images for the first N prompts of each of the run's prompt sources (the chosen
 split) with fixed evaluation seeds, once with the base model and once with the run's last checkpoint
-(its LoRA loaded with ``load_lora_weights``), scores both with every offline reward — the run's
+(its LoRA loaded with ``core.models.load_lora``), scores both with every offline reward — the run's
 training rewards and the held-out ones it did not train on — and prints a table (also written to
 DIR/eval_<split>.json and .md).
 
@@ -187,7 +187,7 @@ def evaluate_run(run_dir: str | Path, settings: EvalSettings, base: BaseEvaluati
     """Evaluate one run (its last checkpoint unless ``checkpoint``) against its base model; writes
     DIR/eval_<split>.json and .md and returns the result."""
     from core.config import TrainConfig
-    from core.models import load_pipeline
+    from core.models import load_lora, load_pipeline
 
     settings.validate()
     run_dir = Path(run_dir)
@@ -200,7 +200,7 @@ def evaluate_run(run_dir: str | Path, settings: EvalSettings, base: BaseEvaluati
     ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir)
     t0 = time.perf_counter()
     pipe = load_pipeline(config.model.name)
-    pipe.load_lora_weights(str(ckpt))
+    load_lora(pipe, ckpt)
     images = generate(pipe, base.items, settings, config)
     scores = score_all(images, base.items, settings, base.reward_names)
     result = {

@@ -181,6 +181,19 @@ def load_pipeline(name: str, dtype: str = "float32", device: str = "cpu"):
     return pipe
 
 
+def load_lora(pipe, directory: str | Path) -> None:
+    """Load a checkpoint's LoRA (``save_diffusers_lora``'s format) into ``pipe``.
+
+    Our adapters are transformer-only, so they go straight into the transformer: ``load_lora_weights``
+    would also try both text encoders and log a "No LoRA keys associated to ..." warning for each. A file
+    that does carry text-encoder LoRA (someone else's) takes the full diffusers path."""
+    state, metadata = pipe.lora_state_dict(str(directory), return_lora_metadata=True)
+    if all(k.startswith(f"{pipe.transformer_name}.") for k in state):
+        pipe.load_lora_into_transformer(state, transformer=pipe.transformer, metadata=metadata, _pipeline=pipe)
+    else:
+        pipe.load_lora_weights(str(directory))
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

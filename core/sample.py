@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args(argv)
 
-    from core.models import ModelNotFoundError, load_pipeline, resolve_device
+    from core.models import ModelNotFoundError, load_lora, load_pipeline, resolve_device
     from core.sampling import generate_images, to_pil
 
     try:
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             if not (lora / "pytorch_lora_weights.safetensors").is_file():
                 raise FileNotFoundError(f"--lora {str(lora)!r} holds no pytorch_lora_weights.safetensors; pass a "
                                         f"checkpoint folder such as RUN/checkpoints/step_000010")
-            pipe.load_lora_weights(str(lora))
+            load_lora(pipe, lora)
     except (ModelNotFoundError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -60,7 +60,7 @@ def run_comparison(store: Store, comparison_id: int) -> dict:
     import torch
 
     from core.config import RewardConfig
-    from core.models import load_pipeline
+    from core.models import load_lora, load_pipeline
     from core.rewards import make_reward
     from core.sampling import generate_images, to_pil
 
@@ -81,7 +81,7 @@ def run_comparison(store: Store, comparison_id: int) -> dict:
     for j, entry in enumerate(st["entries"]):
         pipe = load_pipeline(entry["model"], "float32", "cuda" if torch.cuda.is_available() else "cpu")
         if entry.get("lora"):
-            pipe.load_lora_weights(entry["lora"])
+            load_lora(pipe, entry["lora"])
         images = generate_images(pipe, [p for p, _ in pairs], [s for _, s in pairs], st["num_steps"],
                                  st["guidance_scale"], entry.get("resolution", 64),
                                  entry.get("max_sequence_length", 8))

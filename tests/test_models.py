@@ -1,13 +1,14 @@
 """Loading SD3 pipelines (built-in, local folder, Hugging Face cache) and the LoRA / old / ref policy."""
 
 import json
+import logging
 import shutil
 
 import pytest
 import torch
 
 from core.config import ModelConfig
-from core.models import (ModelNotFoundError, Policy, VelocityInputs, build_tiny_pipeline, load_pipeline,
+from core.models import (ModelNotFoundError, Policy, VelocityInputs, build_tiny_pipeline, load_lora, load_pipeline,
                          resolve_model_path)
 
 
@@ -113,14 +114,29 @@ def test_saved_lora_reloads_through_diffusers_with_its_alpha(tmp_path):
     want = policy.velocity(inp).detach()
     policy.save_diffusers_lora(tmp_path)
     assert (tmp_path / "pytorch_lora_weights.safetensors").is_file()
-    fresh = load_pipeline("tiny")
-    fresh.load_lora_weights(str(tmp_path))
-    with torch.no_grad():
-        got = fresh.transformer(hidden_states=inp.x, timestep=inp.sigma * 1000,
-                                encoder_hidden_states=inp.prompt_embeds, pooled_projections=inp.pooled).sample
-    assert torch.allclose(got, want, atol=1e-5)
-    # The scale alpha/r = 3.5 matters: the same weights at another alpha give another output.
-    assert not torch.allclose(got, policy.velocity_ref(inp), atol=1e-4)
+    outputs = {}
+    for how in ("diffusers", "ours"):  # any diffusers user's path, and ours (transformer only, no warnings)
+        fresh = load_pipeline("tiny")
+        fresh.load_lora_weights(str(tmp_path)) if how == "diffusers" else load_lora(fresh, tmp_path)
+        with torch.no_grad():
+            outputs[how] = fresh.transformer(hidden_states=inp.x, timestep=inp.sigma * 1000,
+                                             encoder_hidden_states=inp.prompt_embeds,
+                                             pooled_projections=inp.pooled).sample
+    for got in outputs.values():
+        assert torch.allclose(got, want, atol=1e-5)
+        # The scale alpha/r = 3.5 matters: the same weights at another alpha give another output.
+        assert not torch.allclose(got, policy.velocity_ref(inp), atol=1e-4)
+
+
+def test_our_lora_loader_does_not_warn_about_text_encoders(tmp_path, caplog):
+    pipe = load_pipeline("tiny")
+    Policy(pipe, ModelConfig(lora_rank=2), torch.device("cpu")).save_diffusers_lora(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        load_lora(load_pipeline("tiny"), tmp_path)
+    assert not [r for r in caplog.records if "No LoRA keys" in r.getMessage()]
+    with caplog.at_level(logging.WARNING):  # the check can fail: diffusers' own path does warn
+        load_pipeline("tiny").load_lora_weights(str(tmp_path))
+    assert [r for r in caplog.records if "No LoRA keys" in r.getMessage()]
 
 
 def test_bad_lora_targets_are_named():
