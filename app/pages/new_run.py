@@ -47,8 +47,9 @@ def start_study(preset_name: str, run_name: str, rewards: list[str], weights: st
                 sources: list[str], strategies: list[str], seeds: float | int | None, fields: list[FormField],
                 values: list[Any]) -> tuple[str, str]:
     """The same config and budget once per strategy and seed (seeds = the form's seed, +1, +2, ...); all
-    validated before any is queued. One seed per strategy says little on a small model: which seed
-    collapses varies (docs/mini-world.md), so a study can repeat every strategy over seeds."""
+    validated before any is queued. One seed per strategy says little on a small model: the spread
+    between seeds is as large as the gaps between strategies (docs/mini-world.md), so a study can repeat
+    every strategy over seeds."""
     from jobs.runner import ensure_worker, submit
 
     if len(strategies) < 2:
