@@ -588,7 +588,7 @@ def _mini_sequential() -> TrainConfig:
 
 PRESETS: dict[str, tuple[str, Any]] = {
     "mini-marble": ("The default: MARBLE (N=10, ρ=0.7) on the pretrained mini-world SD3 with three specialist "
-                    "rewards and a general one; 200 steps, ~8 min on 2 CPU cores.", mini_world),
+                    "rewards and a general one; 200 steps, ~9 min on 2 CPU cores.", mini_world),
     "mini-weighted-sum": ("mini-marble's budget with the weighted-sum baseline (one scalar reward).",
                           lambda: mini_world("weighted_sum")),
     "mini-equal": ("mini-marble's budget with fixed equal α = 1/K (per-reward advantages, no QP).",
