@@ -554,6 +554,8 @@ MINI_WORLD_REWARDS = ["color_fidelity", "count_accuracy", "spatial_relation", "c
 """Three specialists (NaN off their own source) and one general reward (every prompt), as in the paper's
 setup. A second general reward that directly opposes colorfulness (jpeg_compressibility) was tried: the
 min-norm α then spends itself cancelling the two and the specialists stall; it is a held-out reward."""
+MINI_WORLD_STEPS = 200
+"""The budget every mini-* preset shares (the sequential stages split it evenly)."""
 
 
 def mini_world(strategy: str = "marble", **balance: Any) -> TrainConfig:
@@ -575,15 +577,15 @@ def mini_world(strategy: str = "marble", **balance: Any) -> TrainConfig:
         balance=BalanceConfig(strategy=strategy, refresh_every=10, warmup_steps=1, ema_rho=0.7, diagnose_every=5,
                               **balance),
         optim=OptimConfig(lr=5e-4),
-        steps=200, checkpoint_every=50, sample_every=25, num_threads=1,
+        steps=MINI_WORLD_STEPS, checkpoint_every=50, sample_every=25, num_threads=1,
     )
 
 
 def _mini_sequential() -> TrainConfig:
     """DiffusionNFT's multi-reward recipe shape (spec §7), scaled to 200 steps: 50 on each specialist,
     then 50 on the general reward."""
-    return mini_world("sequential", stages=[StageConfig(["spatial_relation"], 50), StageConfig(["count_accuracy"], 50),
-                                            StageConfig(["color_fidelity"], 50), StageConfig(["colorfulness"], 50)])
+    order = ("spatial_relation", "count_accuracy", "color_fidelity", "colorfulness")
+    return mini_world("sequential", stages=[StageConfig([r], MINI_WORLD_STEPS // len(order)) for r in order])
 
 
 PRESETS: dict[str, tuple[str, Any]] = {
