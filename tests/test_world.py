@@ -177,6 +177,28 @@ def test_count_reward_falls_with_the_distance_to_the_number_asked():
     assert values[0] > 0.9 and max(values[1:3]) < 0.45 and values[3] < values[1]
 
 
+@pytest.mark.parametrize("reward_name", sorted(SPECIALISTS))
+def test_every_specialist_penalizes_stray_objects_of_another_colour(reward_name):
+    """The hole colorfulness exploited: after RL the model added 1-2 off-prompt objects per image, which
+    raised colorfulness and cost the specialists almost nothing. Each stray object now costs ~exp(-1)."""
+    from core.world.scenes import Placed, draw
+
+    red, blue = {"color": "red", "shape": "circle"}, {"color": "blue", "shape": "square"}
+    spec = {"color": {"task": "color", "objects": [red, blue]},
+            "count": {"task": "count", "objects": [red], "count": 2},
+            "position": {"task": "position", "objects": [red, blue], "relation": "left of"}}[
+        SPECIALISTS[reward_name].split("-")[1]]
+    asked = [Placed("red", "circle", 14, 20, 12), Placed("blue" if len(spec["objects"]) > 1 else "red",
+                                                         "square" if len(spec["objects"]) > 1 else "circle", 48, 20, 12)]
+    strays = [Placed("yellow", "triangle", 16, 50, 12), Placed("green", "triangle", 48, 50, 12)]
+    reward = make_reward(reward_name)
+    meta = dict(spec, source=SPECIALISTS[reward_name])
+    images = [draw(asked + strays[:n], (20, 20, 30)) for n in range(3)]
+    assert [len(detect(img)) for img in images] == [2, 3, 4]  # the strays are really there
+    values = reward(to_tensor(np.stack(images)), ["x"] * 3, [meta] * 3).tolist()
+    assert values[0] > 0.75 and values[1] < 0.5 * values[0] and values[2] < 0.5 * values[1]
+
+
 def test_world_geneval_is_strict_pass_fail_on_every_world_task():
     reward = make_reward("world_geneval")
     rng = np.random.default_rng(2)

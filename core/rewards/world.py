@@ -7,6 +7,8 @@ carry no advantage signal (ENV_NOTES):
     color_fidelity    world-color prompts     each requested (colour, shape) object present
     count_accuracy    world-count prompts     soft count of objects of the colour vs the number asked
     spatial_relation  world-position prompts  both objects present and the relation between them
+    (each specialist also multiplies by exp(-objects beyond those asked): the prompt asks for exactly
+    its objects, and otherwise a general reward can be raised with clutter the specialists never see)
     world_geneval     every world prompt      strict pass/fail of the whole prompt (for evaluation)
 
 A prompt applies when its metadata carries the world spec (``task`` and ``objects``), whatever the
@@ -50,19 +52,19 @@ class WorldReward(Reward):
 
 
 @register_reward("color_fidelity", "Mini world, colour prompts only: each requested colour-and-shape object "
-                                   "present (graded, 0-1; NaN on other prompts)")
+                                   "present, no others (graded, 0-1; NaN on other prompts)")
 def color_fidelity() -> Reward:
     return WorldReward(("color",))
 
 
-@register_reward("count_accuracy", "Mini world, count prompts only: exp(-|soft count of the colour - n|), "
+@register_reward("count_accuracy", "Mini world, count prompts only: exp(-|soft count of the colour - n| - other objects), "
                                    "with a little shape credit (0-1; NaN on other prompts)")
 def count_accuracy() -> Reward:
     return WorldReward(("count",))
 
 
-@register_reward("spatial_relation", "Mini world, position prompts only: both objects present and their "
-                                     "relation, graded by the centre margin (0-1; NaN on other prompts)")
+@register_reward("spatial_relation", "Mini world, position prompts only: both objects present, no others, "
+                                     "and their relation, graded by the centre margin (0-1; NaN on other prompts)")
 def spatial_relation() -> Reward:
     return WorldReward(("position",))
 

@@ -133,25 +133,30 @@ def best_assignment(dets: list[Detection], objs: list[dict]) -> tuple[list[float
     return scores, [dets[p] if p is not None else None for p in best_pick]
 
 
-def extra_penalty(n_found: int, n_wanted: int) -> float:
-    """A multiplier in (0, 1]: 1 when no more objects than requested were found."""
-    return 1.0 if n_found <= n_wanted else math.sqrt(n_wanted / n_found)
+def extra_penalty(n_extra: float) -> float:
+    """A multiplier in (0, 1]: exp(-extra objects), so one object too many costs what one missing object
+    costs in :func:`count_score` (~0.37). Every specialist applies it: the prompt asks for exactly its
+    objects (as :func:`geneval_pass` does), and without it a general reward such as colorfulness can be
+    raised by adding clutter that the specialists never see (measured: +1.3 to +1.9 stray objects per
+    image after 200 MARBLE steps when only the colour reward penalized extras, and mildly)."""
+    return math.exp(-max(0.0, n_extra))
 
 
 def color_score(spec: dict, dets: list[Detection]) -> float:
     """Colour binding: each requested (colour, shape) object present, mostly judged by colour."""
     objs = spec["objects"]
     scores, _ = best_assignment(dets, objs)
-    return float(np.mean(scores)) * extra_penalty(len(dets), len(objs))
+    return float(np.mean(scores)) * extra_penalty(len(dets) - len(objs))
 
 
 def count_score(spec: dict, dets: list[Detection]) -> float:
-    """Count accuracy: a soft count of objects of the requested colour (Σ p(colour)) against n;
-    exp(-|k - n|) so one off scores ~0.37, plus a little credit for the requested shape."""
+    """Count accuracy: a soft count k of objects of the requested colour (Σ p(colour)) against n, and the
+    soft count of the other objects (Σ 1 - p(colour)) as extras: exp(-|k - n|) · exp(-extras), so one
+    object off either way scores ~0.37; plus a little credit for the requested shape."""
     n, obj = int(spec["count"]), spec["objects"][0]
     pcs = np.asarray([d.color_probs[obj["color"]] for d in dets])
     k = float(pcs.sum()) if len(dets) else 0.0
-    count_part = math.exp(-abs(k - n))
+    count_part = math.exp(-abs(k - n)) * extra_penalty(len(dets) - k)
     if len(dets) and pcs.sum() > 0:
         shape_part = float((pcs * np.asarray([d.shape_probs[obj["shape"]] for d in dets])).sum() / pcs.sum())
     else:
@@ -161,13 +166,15 @@ def count_score(spec: dict, dets: list[Detection]) -> float:
 
 def position_score(spec: dict, dets: list[Detection], full_margin: float = 6.0) -> float:
     """Spatial relation: both objects present (0.15 each) and the relation between their centres
-    (0.7, graded: 0.5 at a tie, 1 from ``full_margin`` pixels the right way, 0 that far the wrong way)."""
+    (0.7, graded: 0.5 at a tie, 1 from ``full_margin`` pixels the right way, 0 that far the wrong way),
+    times the penalty for objects beyond the two."""
     (ma, mb), (da, db) = best_assignment(dets, spec["objects"])
+    penalty = extra_penalty(len(dets) - 2)
     if da is None or db is None:
-        return 0.15 * ma + 0.15 * mb
+        return (0.15 * ma + 0.15 * mb) * penalty
     margin = relation_margin(spec["relation"], (da.cx, da.cy), (db.cx, db.cy))
     rel = min(1.0, max(0.0, 0.5 + margin / (2 * full_margin)))
-    return 0.15 * ma + 0.15 * mb + 0.7 * ma * mb * rel
+    return (0.15 * ma + 0.15 * mb + 0.7 * ma * mb * rel) * penalty
 
 
 def single_score(spec: dict, dets: list[Detection]) -> float:
