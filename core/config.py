@@ -564,9 +564,10 @@ def mini_world(strategy: str = "marble", **balance: Any) -> TrainConfig:
     ``balance``: 12 prompts (3 per world source) x 4 images, 8 sampling steps, 2 training timesteps per
     sample, LoRA r=8, lr 5e-4. Measured over four seeds (docs/mini-world.md): at lr 1e-3 for 150 steps
     the outcome depended on the seed (one of four MARBLE seeds let colorfulness take over and every
-    specialist fell); at 5e-4 for 200 steps no seed collapsed. Three prompts per source rather than two:
-    with two, a specialist's advantages rest on 8 images a step and the general reward's cleaner signal
-    takes the update."""
+    specialist fell); at 5e-4 for 200 steps no seed collapsed (with the earlier rewards, before stray
+    objects were penalized; with today's, no strategy raises the specialists at this budget, see
+    docs/mini-world.md). Three prompts per source rather than two: with two, a specialist's advantages
+    rest on 8 images a step and the general reward's cleaner signal takes the update."""
     return TrainConfig(
         model=ModelConfig(name="mini-world", lora_rank=8, lora_alpha=16.0),
         prompts=PromptConfig(sources=list(MINI_WORLD_SOURCES)),
