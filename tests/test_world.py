@@ -188,8 +188,8 @@ def test_every_specialist_penalizes_stray_objects_of_another_colour(reward_name)
             "count": {"task": "count", "objects": [red], "count": 2},
             "position": {"task": "position", "objects": [red, blue], "relation": "left of"}}[
         SPECIALISTS[reward_name].split("-")[1]]
-    asked = [Placed("red", "circle", 14, 20, 12), Placed("blue" if len(spec["objects"]) > 1 else "red",
-                                                         "square" if len(spec["objects"]) > 1 else "circle", 48, 20, 12)]
+    second = spec["objects"][-1]  # count asks for two of the same object
+    asked = [Placed("red", "circle", 14, 20, 12), Placed(second["color"], second["shape"], 48, 20, 12)]
     strays = [Placed("yellow", "triangle", 16, 50, 12), Placed("green", "triangle", 48, 50, 12)]
     reward = make_reward(reward_name)
     meta = dict(spec, source=SPECIALISTS[reward_name])

@@ -169,7 +169,7 @@ def position_score(spec: dict, dets: list[Detection], full_margin: float = 6.0) 
     (0.7, graded: 0.5 at a tie, 1 from ``full_margin`` pixels the right way, 0 that far the wrong way),
     times the penalty for objects beyond the two."""
     (ma, mb), (da, db) = best_assignment(dets, spec["objects"])
-    penalty = extra_penalty(len(dets) - 2)
+    penalty = extra_penalty(len(dets) - len(spec["objects"]))
     if da is None or db is None:
         return (0.15 * ma + 0.15 * mb) * penalty
     margin = relation_margin(spec["relation"], (da.cx, da.cy), (db.cx, db.cy))
