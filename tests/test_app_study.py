@@ -75,3 +75,12 @@ def test_by_strategy_gives_mean_and_sample_std_over_each_strategys_runs():
     assert out.loc["marble", "Δb (σ)"] == "-1.000"  # the missing value is left out, not counted as 0
     assert out.loc["weighted_sum", "composite (σ)"] == "+0.750"
     assert by_strategy(pd.DataFrame()).empty
+
+
+def test_study_page_says_what_to_do_before_any_run_is_picked():
+    """With nothing picked the tables and plots carry the hint, not Gradio's bare "1 2 3" headers."""
+    from app.pages.study import EMPTY_HINT, render
+
+    table, summary, pareto, overlay, *_ = render([], None, None)
+    assert table.iloc[0, 0] == EMPTY_HINT and list(summary.columns) == ["strategies"]
+    assert EMPTY_HINT in pareto.layout.annotations[0].text and EMPTY_HINT in overlay.layout.annotations[0].text

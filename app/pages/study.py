@@ -75,10 +75,18 @@ def by_strategy(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+EMPTY_HINT = "Pick two or more runs above (e.g. a study's strategies and seeds; New run → Start study queues them)."
+
+
+def _placeholder_tables() -> tuple[pd.DataFrame, pd.DataFrame]:
+    """What the two tables show while no run is picked (an empty frame renders as bare "1 2 3" headers)."""
+    return pd.DataFrame({"runs": [EMPTY_HINT]}), pd.DataFrame({"strategies": ["(none picked yet)"]})
+
+
 def render(run_ids: list[int], x_reward: str | None, y_reward: str | None):
     if not run_ids:
-        empty = plots.empty_figure("Study", "Pick two or more runs.")
-        return pd.DataFrame(), pd.DataFrame(), empty, empty, gr.update(choices=[]), gr.update(choices=[]), None
+        empty = plots.empty_figure("Study", EMPTY_HINT)
+        return *_placeholder_tables(), empty, empty, gr.update(choices=[]), gr.update(choices=[]), None
     df, points = study_table([int(r) for r in run_ids])
     names = sorted({k for p in points for k in p["scores"]})
     x = x_reward if x_reward in names else (names[0] if names else None)
@@ -95,17 +103,20 @@ def build() -> dict:
     with gr.Row():
         runs = gr.Dropdown(choices=[], multiselect=True, label="Runs", elem_id="study-runs", scale=4)
         reload_btn = gr.Button("Reload runs", scale=1, elem_id="study-reload")
-    table = gr.Dataframe(label="Per-reward means (last 10% of steps) and improvement in σ units",
+    no_table, no_summary = _placeholder_tables()
+    table = gr.Dataframe(no_table,
+                         label="Per-reward means (last 10% of steps) and improvement in σ units",
                          interactive=False, elem_id="study-table")
-    summary = gr.Dataframe(label="By strategy: the chosen runs of each strategy pooled (e.g. a study's seeds), "
+    summary = gr.Dataframe(no_summary,
+                           label="By strategy: the chosen runs of each strategy pooled (e.g. a study's seeds), "
                                  "mean ± std of each improvement",
                            interactive=False, elem_id="study-summary")
     with gr.Row():
         x_pick = gr.Dropdown(choices=[], label="Pareto x", elem_id="study-x")
         y_pick = gr.Dropdown(choices=[], label="Pareto y", elem_id="study-y")
         csv = gr.File(label="CSV export", elem_id="study-csv")
-    pareto = gr.Plot(label="Pareto", elem_id="plot-pareto")
-    overlay = gr.Plot(label="ᾱ overlay", elem_id="plot-overlay")
+    pareto = gr.Plot(plots.empty_figure("Pareto", EMPTY_HINT), label="Pareto", elem_id="plot-pareto")
+    overlay = gr.Plot(plots.empty_figure("ᾱ overlay", EMPTY_HINT), label="ᾱ overlay", elem_id="plot-overlay")
     reload_btn.click(lambda: gr.update(choices=context.run_choices()), None, runs)
     outs = [table, summary, pareto, overlay, x_pick, y_pick, csv]
     runs.change(render, [runs, x_pick, y_pick], outs)
