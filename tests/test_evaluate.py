@@ -140,3 +140,44 @@ def test_errors_name_the_problem(tmp_path, capsys):
     assert "no checkpoint" in capsys.readouterr().out
     with pytest.raises(ValueError, match="valid choices: train, test"):
         EvalSettings("val").validate()
+
+
+def _load_ceiling_report():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "ceiling_report.py"
+    spec = importlib.util.spec_from_file_location("ceiling_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ceiling_report_summarizes_an_evaluated_single_reward_run(tmp_path, capsys):
+    cfg = small_config("single", steps=4, **{
+        "prompts.sources": ["world-count"], "sampling.max_sequence_length": 4,
+        "rewards": [{"name": "count_accuracy"}], "balance.single_reward": "count_accuracy", "optim.lr": 0.02})
+    cfg.save(tmp_path / "count.json")
+    run = tmp_path / "count-alone"
+    assert train_main(["--config", str(tmp_path / "count.json"), "--out", str(run), "--quiet"]) == 0
+    assert main(["--run", str(run), "--prompts-per-source", "2", "--seeds", "2"]) == 0
+    report = _load_ceiling_report()
+    out = tmp_path / "ceiling" / "ceiling.md"
+    report.main(["--out", str(out), "--window", "2", "--conclusion", "What it shows.", str(run)])
+    page = out.read_text()
+
+    z = json.loads((run / "eval_test.json").read_text())["rewards"]["count_accuracy"]["z"]
+    steps = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    values = [e["rewards"]["count_accuracy"] for e in steps if e["event"] == "step"]
+    best = max((values[i] + values[i + 1]) / 2 for i in range(3))
+    row = next(line for line in page.splitlines() if line.startswith("| `count-alone` |"))
+    assert row == (f"| `count-alone` | count_accuracy | 0.02 | 8 × 4 | {z:+.2f} | "
+                   f"{(values[0] + values[1]) / 2:.3f} → {(values[2] + values[3]) / 2:.3f} ({best:.3f}) |")
+    assert "What it shows." in page and "## `count-alone`" in page and "| count_accuracy | ✓ |" in page
+
+    # a run of another strategy, or one not yet evaluated, is refused by name
+    with pytest.raises(SystemExit, match="not 'single'"):
+        report.main(["--out", str(out), str(_tiny_world_run(tmp_path, "mixed", "equal"))])
+    (run / "eval_test.md").unlink()
+    with pytest.raises(SystemExit, match="core.evaluate --run"):
+        report.main(["--out", str(out), str(run)])
