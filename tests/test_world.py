@@ -166,6 +166,28 @@ def test_position_reward_grades_the_margin_between_the_objects():
     assert 0.4 < scores[2] < 0.8  # a tie earns half the relation credit
 
 
+def test_relation_check_needs_both_colours_and_reads_which_side_each_is_on():
+    from core.world.checker import relation_holds
+    from core.world.scenes import Placed, draw
+
+    spec = {"task": "position", "objects": [{"color": "red", "shape": "circle"}, {"color": "blue", "shape": "square"}],
+            "relation": "left of"}
+    red_left = draw([Placed("red", "circle", 16, 30, 12), Placed("blue", "square", 48, 34, 12)], (20, 20, 30))
+    red_right = draw([Placed("red", "circle", 48, 30, 12), Placed("blue", "square", 16, 34, 12)], (20, 20, 30))
+    assert relation_holds(spec, detect(red_left)) is True
+    assert relation_holds(spec, detect(red_right)) is False
+    assert relation_holds({**spec, "relation": "right of"}, detect(red_right)) is True
+    # the shape does not matter, a missing colour leaves nothing to judge
+    assert relation_holds(spec, detect(draw([Placed("red", "triangle", 16, 30, 12),
+                                             Placed("blue", "circle", 48, 34, 12)], (20, 20, 30)))) is True
+    assert relation_holds(spec, detect(draw([Placed("red", "circle", 16, 30, 12),
+                                             Placed("green", "square", 48, 34, 12)], (20, 20, 30)))) is None
+    # two objects of one colour: the second requested object is the other one
+    same = {**spec, "objects": [{"color": "red", "shape": "circle"}, {"color": "red", "shape": "square"}]}
+    assert relation_holds(same, detect(draw([Placed("red", "circle", 16, 20, 16),
+                                             Placed("red", "square", 48, 44, 10)], (20, 20, 30)))) is True
+
+
 def test_count_reward_falls_with_the_distance_to_the_number_asked():
     reward = make_reward("count_accuracy")
     spec = {"task": "count", "objects": [{"color": "green", "shape": "square"}], "count": 3, "source": "world-count"}

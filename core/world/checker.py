@@ -177,6 +177,18 @@ def position_score(spec: dict, dets: list[Detection], full_margin: float = 6.0) 
     return (0.15 * ma + 0.15 * mb + 0.7 * ma * mb * rel) * penalty
 
 
+def relation_holds(spec: dict, dets: list[Detection]) -> bool | None:
+    """Position prompts: whether the relation holds between the largest object of the first requested colour
+    and the largest other object of the second (hard colour labels, shape ignored); None when the image has
+    no such pair. A model that ignores the relation words is right half the time."""
+    (a, b) = spec["objects"]
+    first = next((d for d in dets if d.color == a["color"]), None)
+    second = next((d for d in dets if d.color == b["color"] and d is not first), None)
+    if first is None or second is None:
+        return None
+    return relation_margin(spec["relation"], (first.cx, first.cy), (second.cx, second.cy)) > 0
+
+
 def single_score(spec: dict, dets: list[Detection]) -> float:
     """A single object: the requested one present and alone."""
     return color_score(spec, dets)
