@@ -78,3 +78,24 @@ def test_lora_training_path_works_on_the_shipped_model(pipe):
     v.pow(2).mean().backward()
     assert all(p.grad is not None for p in policy.parameters)
     assert torch.allclose(policy.velocity_ref(inp), policy.velocity_old(inp), atol=1e-5)  # LoRA B starts at 0
+
+
+def test_card_measurement_judges_the_relation_only_on_position_prompts(pipe):
+    from core.world.card import _table, measure
+    from core.world.checker import relation_holds
+    from core.world.prompts import world_source
+
+    m = measure(pipe, 1.0, prompts_per_source=2, seeds_per_prompt=2)
+    by = m["by_source"]
+    assert all("pair_found" not in by[s] for s in ("world-general", "world-color", "world-count"))
+    pos = by["world-position"]
+    # recompute from the same images: the first 2 test prompts x 2 seeds, seeds 0..3
+    items = world_source("world-position").test[:2]
+    images = _sample(pipe, [it.text for it in items for _ in range(2)], [0, 1, 2, 3])
+    judged = [relation_holds(it.metadata, detect(img)) for it, img in zip([i for i in items for _ in range(2)], images)]
+    found = [j for j in judged if j is not None]
+    assert pos["pair_found"] == len(found) / 4
+    assert (np.isnan(pos["relation_right"]) if not found else pos["relation_right"] == np.mean(found))
+    rows = _table(m).splitlines()
+    assert rows[0].endswith("| both colours found | relation right |")
+    assert next(r for r in rows if r.startswith("| world-count |")).endswith("| — | — |")
