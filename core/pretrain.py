@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from core.world.scenes import caption, random_spec, render_batch
+from core.world.scenes import TASK_MIX, caption, random_spec, render_batch
 
 MAX_SEQUENCE_LENGTH = 4  # zero "T5" tokens appended by encode_prompt; the model has no T5
 TEXT_MAX_LENGTH = 16  # CLIP tokens: the longest caption is 11 words + 2 specials
@@ -76,9 +76,32 @@ def build_components(seed: int, scheduler_shift: float):
         text_encoder_3=None, tokenizer_3=None)
 
 
-def world_batch(rng: np.random.Generator, batch: int) -> tuple[torch.Tensor, list[str]]:
-    """[B, 3, 64, 64] images in [-1, 1] and their captions."""
-    specs = [random_spec(rng) for _ in range(batch)]
+def parse_task_mix(text: str) -> dict[str, float]:
+    """``"single=0.1,position=0.6"`` -> how often each task's captions are drawn (the tasks not named get 0).
+    Raises ValueError naming the bad entry and the valid tasks."""
+    mix = {}
+    for item in text.split(","):
+        task, sep, value = item.partition("=")
+        task = task.strip()
+        if task not in TASK_MIX or not sep:
+            raise ValueError(f"--task-mix entry {item.strip()!r}: write TASK=WEIGHT with TASK one of "
+                             f"{', '.join(TASK_MIX)}")
+        try:
+            weight = float(value)
+        except ValueError:
+            raise ValueError(f"--task-mix entry {item.strip()!r}: the weight must be a number") from None
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"--task-mix entry {item.strip()!r}: the weight must be a finite number >= 0")
+        mix[task] = weight
+    if sum(mix.values()) <= 0:
+        raise ValueError(f"--task-mix {text!r}: at least one weight must be > 0")
+    return {task: mix.get(task, 0.0) for task in TASK_MIX}
+
+
+def world_batch(rng: np.random.Generator, batch: int, mix: dict[str, float] | None = None
+                ) -> tuple[torch.Tensor, list[str]]:
+    """[B, 3, 64, 64] images in [-1, 1] and their captions, tasks drawn with ``mix`` (default TASK_MIX)."""
+    specs = [random_spec(rng, mix) for _ in range(batch)]
     images = torch.from_numpy(render_batch(specs, rng)).permute(0, 3, 1, 2).float() / 127.5 - 1.0
     return images, [caption(s) for s in specs]
 
@@ -220,7 +243,8 @@ def refine_decoder(vae, steps: int, batch: int, lr: float, rng: np.random.Genera
 
 
 def train_diffusion(pipe, steps: int, batch: int, lr: float, ema_decay: float, dropout: float,
-                    rng: np.random.Generator, gen: torch.Generator, max_seconds: float, log_every: int) -> dict:
+                    rng: np.random.Generator, gen: torch.Generator, max_seconds: float, log_every: int,
+                    mix: dict[str, float] | None = None) -> dict:
     """Rectified-flow training of the transformer and both text encoders (jointly); EMA kept and swapped in."""
     modules = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
     for m in modules:
@@ -233,7 +257,7 @@ def train_diffusion(pipe, steps: int, batch: int, lr: float, ema_decay: float, d
     shift, scale = vae.config.shift_factor, vae.config.scaling_factor
 
     def step_fn(step: int) -> float:
-        x, captions = world_batch(rng, batch)
+        x, captions = world_batch(rng, batch, mix)
         drop = rng.random(batch) < dropout
         captions = ["" if d else c for c, d in zip(captions, drop)]
         with torch.no_grad():
@@ -291,9 +315,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decoder-max-minutes", type=float, default=10.0)
     ap.add_argument("--init-from", help="a folder written by this script: keep its VAE and continue training "
                                          "its transformer and text encoders (a second, warm-started stage)")
+    ap.add_argument("--task-mix", type=str, default=None,
+                    help="how often the diffusion stage draws each task's captions, e.g. "
+                         "single=0.1,color=0.15,count=0.15,position=0.6 (default: "
+                         + ",".join(f"{k}={v}" for k, v in TASK_MIX.items()) + ")")
     ap.add_argument("--log-every", type=int, default=100)
     ap.add_argument("--no-card", action="store_true", help="skip the sample grid, measurements and MODEL_CARD.md")
     args = ap.parse_args(argv)
+    try:
+        mix = parse_task_mix(args.task_mix) if args.task_mix else None
+    except ValueError as e:
+        ap.error(str(e))
 
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -324,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[vae] {json.dumps(vae_stats)}", flush=True)
     if args.steps > 0:
         diff_stats = train_diffusion(pipe, args.steps, args.batch, args.lr, args.ema, args.caption_dropout, rng, gen,
-                                     args.max_minutes * 60, args.log_every)
+                                     args.max_minutes * 60, args.log_every, mix)
     else:
         diff_stats = {"steps": 0, "seconds": 0.0, "final_loss": float("nan")}
     decoder_stats = None
@@ -336,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(out)
     record = {
-        "recipe": {k: v for k, v in vars(args).items() if k not in ("out", "no_card", "log_every")},
+        "recipe": {**{k: v for k, v in vars(args).items() if k not in ("out", "no_card", "log_every")},
+                   "task_mix": mix or dict(TASK_MIX)},
         "torch_threads": args.threads, "torch": torch.__version__,
         "parameters": {"transformer": count_params(pipe.transformer), "vae": count_params(pipe.vae),
                        "text_encoder": count_params(pipe.text_encoder),

@@ -155,3 +155,37 @@ def test_when_the_time_box_binds_the_stage_stops_early_at_the_lr_floor(capsys):
     assert all(a >= b for a, b in zip(lrs[100:], lrs[101:]))  # after warm-up the rate only goes down
     assert recent == np.mean(range(done - 4, done + 1))  # the mean over the last `window` (5) losses
     assert f"[test] time box reached after {done} steps" in capsys.readouterr().out
+
+
+def test_task_mix_chooses_which_captions_the_diffusion_stage_sees(capsys):
+    from core.pretrain import parse_task_mix, world_batch
+    from core.world.scenes import TASK_MIX
+
+    assert parse_task_mix("position=3, count=1") == {"single": 0.0, "color": 0.0, "count": 1.0, "position": 3.0}
+    _, captions = world_batch(np.random.default_rng(0), 24, parse_task_mix("position=1"))
+    assert all(any(r in c for r in (" left of ", " right of ", " above ", " below ")) for c in captions)
+    # no mix = the default one, drawn exactly as before the option existed
+    default = world_batch(np.random.default_rng(1), 8)[1]
+    assert default == world_batch(np.random.default_rng(1), 8, dict(TASK_MIX))[1]
+    for bad, message in (("postion=1", "TASK one of single, color, count, position"),
+                         ("position=lots", "must be a number"), ("position=-1", ">= 0"),
+                         ("position=0", "at least one weight")):
+        with pytest.raises(ValueError, match=message):
+            parse_task_mix(bad)
+    with pytest.raises(SystemExit):
+        main(["--out", "unused", "--task-mix", "postion=1"])
+    assert "--task-mix entry 'postion=1'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_continued_run_records_its_task_mix_and_the_card_command_repeats_it(seed0, tmp_path):
+    first, _, _ = seed0
+    out = tmp_path / "positions"
+    log, _ = pretrain(out, "--init-from", str(first), "--steps", "2", "--batch", "2", "--log-every", "1",
+                      "--no-card", "--max-minutes", "60", "--task-mix", "position=0.6,single=0.4")
+    assert log["recipe"]["task_mix"] == {"single": 0.4, "color": 0.0, "count": 0.0, "position": 0.6}
+    assert log["previous"]["recipe"]["task_mix"]["position"] == 0.25  # the fresh run: the default mix
+    from core.world.card import stage_command
+
+    assert stage_command(log, 2).endswith("--init-from <stage 1> --task-mix single=0.4,color=0,count=0,position=0.6`")
+    assert "--task-mix" not in stage_command(log["previous"], 1)  # the default mix is not spelled out

@@ -16,7 +16,7 @@ import numpy as np
 
 from core.world.checker import GRADERS, detect, geneval_pass, relation_holds
 from core.world.prompts import SOURCES, world_source
-from core.world.scenes import COLORS, SHAPES
+from core.world.scenes import COLORS, SHAPES, TASK_MIX
 
 MAX_SEQUENCE_LENGTH = 4
 GRID_PROMPTS = [
@@ -106,6 +106,20 @@ def _table(m: dict) -> str:
     return "\n".join(rows)
 
 
+def stage_command(stage: dict, index: int) -> str:
+    """The ``core.pretrain`` command line of one recorded stage (its pretrain_log entry), as run."""
+    r = stage.get("recipe", {})
+    cmd = f"python -m core.pretrain --seed {r.get('seed')} --batch {r.get('batch')} --threads {r.get('threads')}"
+    if stage.get("diffusion", {}).get("steps"):
+        cmd += f" --lr {r.get('lr')} --max-minutes {r.get('max_minutes')}"
+    cmd += f" --init-from <stage {index - 1}>" if r.get("init_from") else f" --vae-max-minutes {r.get('vae_max_minutes')}"
+    if r.get("task_mix", TASK_MIX) != TASK_MIX:  # logs written before the option existed used the default
+        cmd += " --task-mix " + ",".join(f"{k}={v:g}" for k, v in r["task_mix"].items())
+    if stage.get("decoder"):
+        cmd += f" --steps 0 --decoder-steps {r.get('decoder_steps')} --decoder-max-minutes {r.get('decoder_max_minutes')}"
+    return f"`{cmd}`"
+
+
 def write_model_card(folder: str | Path, guidances: tuple[float, ...] = (1.0, 4.0), num_steps: int = 8,
                      threads: int = 1) -> dict:
     """Measure, draw the grid (at the first guidance scale) and write MODEL_CARD.md + measurements.json."""
@@ -171,19 +185,13 @@ def write_model_card(folder: str | Path, guidances: tuple[float, ...] = (1.0, 4.
     ]
     for i, st in enumerate(stages, 1):
         r, v, d = st.get("recipe", {}), st.get("vae", {}), st.get("diffusion", {})
-        cmd = (f"`python -m core.pretrain --seed {r.get('seed')} --batch {r.get('batch')} --threads {r.get('threads')}"
-               + (f" --lr {r.get('lr')} --max-minutes {r.get('max_minutes')}" if st.get("diffusion", {}).get("steps")
-                  else "")
-               + (f" --vae-max-minutes {r.get('vae_max_minutes')}" if not r.get("init_from") else
-                  f" --init-from <stage {i - 1}>") + "`")
+        cmd = stage_command(st, i)
         vae_cell = (f"{v.get('steps')} steps × {r.get('batch')}, {v.get('seconds', 0) / 60:.1f} min, "
                     f"{v.get('psnr_db', float('nan')):.1f} dB PSNR" if v.get("steps") else "kept")
         dec = st.get("decoder")
         if dec:
             vae_cell += (f"; decoder alone refined: {dec['steps']} steps, {dec['seconds'] / 60:.1f} min, "
                          f"{dec['psnr_db']:.1f} dB PSNR")
-            cmd = cmd[:-1] + f" --steps 0 --decoder-steps {r.get('decoder_steps')} " \
-                             f"--decoder-max-minutes {r.get('decoder_max_minutes')}`"
         diff_cell = (f"{d.get('steps')} steps × {r.get('batch')}, {d.get('seconds', 0) / 60:.1f} min, "
                      f"final loss {d.get('final_loss', float('nan')):.3f}" if d.get("steps") else "kept")
         lines.append(f"| {i} | {cmd} | {vae_cell} | {diff_cell} | {st.get('total_seconds', 0) / 60:.1f} min |")
