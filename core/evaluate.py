@@ -224,7 +224,7 @@ def run_table(result: dict) -> str:
         if r["n"] == 0:
             continue
         lines.append(f"| {name} | {'✓' if r['trained_on'] else ''} | {r['base_mean']:.4f} | {r['mean']:.4f} | "
-                     f"{r['delta']:+.4f} | {_signed(r['z'])} |")
+                     f"{r['delta']:+.4f} | {signed(r['z'])} |")
     lines += ["", f"Composite (Σ Δ/std) over the training rewards: {result['composite_train']:+.3f}; "
               f"over all rewards: {result['composite_all']:+.3f}."]
     return "\n".join(lines)
@@ -365,11 +365,11 @@ def study_table(results: list[dict], base: BaseEvaluation) -> str:
                  " | 0 | 0 | | | | | |")
     for r in results:
         t = r["training"]
-        cells = [f"{r['rewards'][n]['mean']:.3f} ({_signed(r['rewards'][n]['z'])})" for n in names]
+        cells = [f"{r['rewards'][n]['mean']:.3f} ({signed(r['rewards'][n]['z'])})" for n in names]
         z_train = [r["rewards"][n]["z"] for n in r["train_rewards"] if math.isfinite(r["rewards"][n]["z"])]
         lines.append(f"| {Path(r['run']).name} ({r['strategy']}) | " + " | ".join(cells) +
                      f" | **{r['composite_train']:+.3f}** | {r['composite_all']:+.3f} | "
-                     f"{sum(z > 0 for z in z_train)} of {len(z_train)} | {_signed(min(z_train, default=math.nan))} | "
+                     f"{sum(z > 0 for z in z_train)} of {len(z_train)} | {signed(min(z_train, default=math.nan))} | "
                      f"{t['worst_cos_negative_share'] * 100:.0f}% of {t['diagnosed_steps']} | "
                      f"{t['worst_cos_mean']:+.3f} | {t['train_seconds'] / 60:.1f} |")
     s = base.key
@@ -413,7 +413,8 @@ def strategy_summary(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _signed(z: float) -> str:
+def signed(z: float) -> str:
+    """A Δ/std cell: +0.52, or n/a when undefined."""
     return f"{z:+.2f}" if math.isfinite(z) else "n/a"
 
 

@@ -3,18 +3,25 @@
     python scripts/ceiling_report.py --out docs/study-ceiling/ceiling.md runs/ceiling/*/
 
 Each RUN is a folder made by ``core.train`` with ``balance.strategy=single`` and evaluated by
-``core.evaluate --run RUN`` (its ``eval_test.md`` is read as is). The page has one summary row per run
-(held-out Δ/std of the trained reward; the training reward's mean over the first and last 20 steps and
-its best 20-step mean (``--window``), from ``events.jsonl``) followed by every run's full evaluation table.
+``core.evaluate --run RUN``. The page has one summary row per run (held-out Δ/std of the trained reward,
+from ``eval_test.json``; the training reward's mean over the first and last 20 steps and its best 20-step
+mean (``--window``), from ``events.jsonl``) followed by every run's evaluation table as core.evaluate
+prints it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from anywhere: core is importable
+
+from core.config import TrainConfig  # noqa: E402
+from core.evaluate import read_events, run_table, signed  # noqa: E402
 
 HEADER = """# What RL can reach on the mini world: one specialist on the whole budget
 
@@ -37,26 +44,22 @@ spatial_relation/world-position; add `--set optim.lr=0.002` for the faster rate)
 
 def summarize(run: Path, window: int = 20) -> tuple[str, str]:
     """(summary row, full section) for one evaluated single-reward run."""
-    config = json.loads((run / "config.json").read_text())
-    if config["balance"]["strategy"] != "single":
-        raise SystemExit(f"{run}: balance.strategy is {config['balance']['strategy']!r}, not 'single'")
-    reward = config["balance"]["single_reward"]
-    table = run / "eval_test.md"
-    if not table.exists():
-        raise SystemExit(f"{run}: no eval_test.md; run `python -m core.evaluate --run {run}` first")
-    md = table.read_text().strip()
-    rows = [line for line in md.splitlines() if line.startswith(f"| {reward} |")]
-    delta = rows[0].split("|")[-2].strip()
-    steps = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-    values = np.array([e["rewards"][reward] for e in steps if e["event"] == "step"], dtype=float)
+    config = TrainConfig.load(run / "config.json")
+    if config.balance.strategy != "single":
+        raise SystemExit(f"{run}: balance.strategy is {config.balance.strategy!r}, not 'single'")
+    reward = config.balance.single_reward
+    evaluation = run / "eval_test.json"
+    if not evaluation.exists():
+        raise SystemExit(f"{run}: no eval_test.json; run `python -m core.evaluate --run {run}` first")
+    result = json.loads(evaluation.read_text())
+    values = np.array([e["rewards"][reward] for e in read_events(run) if e["event"] == "step"], dtype=float)
     if len(values) < window:
         raise SystemExit(f"{run}: {len(values)} steps logged, the report needs at least {window}")
     best = np.convolve(values, np.ones(window) / window, mode="valid").max()
-    lr = config["optim"]["lr"]
-    images = config["sampling"]["prompts_per_step"] * config["sampling"]["images_per_prompt"]
-    row = (f"| `{run.name}` | {reward} | {lr:g} | {images} × {len(values)} | {delta} | "
+    row = (f"| `{run.name}` | {reward} | {config.optim.lr:g} | {config.sampling.batch_size} × {len(values)} | "
+           f"{signed(result['rewards'][reward]['z'])} | "
            f"{values[:window].mean():.3f} → {values[-window:].mean():.3f} ({best:.3f}) |\n")
-    return row, f"\n## `{run.name}`\n\n{md}\n"
+    return row, f"\n## `{run.name}`\n\n{run_table(result)}\n"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,12 @@
-"""Shared builders for the tests: small, fast configurations of the tiny model."""
+"""Shared builders for the tests: small, fast configurations of the tiny model, and scripts/ as modules."""
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
 
 from core.config import TrainConfig, preset
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def small_config(strategy: str = "marble", steps: int = 3, **overrides) -> TrainConfig:
@@ -23,3 +29,11 @@ def small_config(strategy: str = "marble", steps: int = 3, **overrides) -> Train
                                   {"rewards": ["jpeg_compressibility", "brightness"], "steps": 1}]
     sets.update(overrides)
     return preset("tiny").with_overrides(sets)
+
+
+def load_script(name: str) -> ModuleType:
+    """A file of scripts/ (not a package) imported as a module, e.g. ``load_script("gpu_check")``."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -11,7 +11,7 @@ from scipy import ndimage
 from core.evaluate import EvalSettings, compare, eval_reward_names, main, strategy_summary, study, write_figures
 from core.figures import COLORS, strip_panels
 from core.train import main as train_main
-from tests.helpers import small_config
+from tests.helpers import load_script, small_config
 
 WORLD = ["world-general", "world-color", "world-count", "world-position"]
 
@@ -142,17 +142,6 @@ def test_errors_name_the_problem(tmp_path, capsys):
         EvalSettings("val").validate()
 
 
-def _load_ceiling_report():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "ceiling_report.py"
-    spec = importlib.util.spec_from_file_location("ceiling_report", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_ceiling_report_summarizes_an_evaluated_single_reward_run(tmp_path, capsys):
     cfg = small_config("single", steps=4, **{
         "prompts.sources": ["world-count"], "sampling.max_sequence_length": 4,
@@ -161,7 +150,7 @@ def test_ceiling_report_summarizes_an_evaluated_single_reward_run(tmp_path, caps
     run = tmp_path / "count-alone"
     assert train_main(["--config", str(tmp_path / "count.json"), "--out", str(run), "--quiet"]) == 0
     assert main(["--run", str(run), "--prompts-per-source", "2", "--seeds", "2"]) == 0
-    report = _load_ceiling_report()
+    report = load_script("ceiling_report")
     out = tmp_path / "ceiling" / "ceiling.md"
     report.main(["--out", str(out), "--window", "2", "--conclusion", "What it shows.", str(run)])
     page = out.read_text()
@@ -178,6 +167,6 @@ def test_ceiling_report_summarizes_an_evaluated_single_reward_run(tmp_path, caps
     # a run of another strategy, or one not yet evaluated, is refused by name
     with pytest.raises(SystemExit, match="not 'single'"):
         report.main(["--out", str(out), str(_tiny_world_run(tmp_path, "mixed", "equal"))])
-    (run / "eval_test.md").unlink()
+    (run / "eval_test.json").unlink()
     with pytest.raises(SystemExit, match="core.evaluate --run"):
         report.main(["--out", str(out), str(run)])

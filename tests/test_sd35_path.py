@@ -14,7 +14,7 @@ from core.config import LORA_TARGETS_SD3, ModelConfig, preset, sd35m_paper
 from core.models import load_pipeline
 from core.prompts import available_sources, load_source, validate_source_name
 from core.sampling import encode_prompts, generate_images
-from tests.helpers import small_config
+from tests.helpers import load_script, small_config
 
 REPO = Path(__file__).resolve().parents[1]
 SD35M_REPO_ID = "stabilityai/stable-diffusion-3.5-medium"
@@ -229,11 +229,7 @@ def test_nft_sources_are_registered_and_say_where_the_files_go():
 # ---- the GPU check's CPU mode ----------------------------------------------------------------------------------------
 
 def test_gpu_check_runs_the_trainer_on_cpu_with_tiny(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = load_script("gpu_check")
     report = gpu_check.main(["--tiny", "--steps", "1", "--out", str(tmp_path / "gpu.json")])
     assert json.loads((tmp_path / "gpu.json").read_text())["paper"] == {"marble_speed": 0.97, "marble_memory": 1.14,
                                                                        "marble_full_speed": 0.56}
