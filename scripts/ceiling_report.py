@@ -44,6 +44,8 @@ spatial_relation/world-position; add `--set optim.lr=0.002` for the faster rate)
 
 def summarize(run: Path, window: int = 20) -> tuple[str, str]:
     """(summary row, full section) for one evaluated single-reward run."""
+    if not (run / "config.json").is_file():
+        raise SystemExit(f"{run}: no config.json; not a run folder made by `python -m core.train --out {run}`")
     config = TrainConfig.load(run / "config.json")
     if config.balance.strategy != "single":
         raise SystemExit(f"{run}: balance.strategy is {config.balance.strategy!r}, not 'single'")

@@ -164,7 +164,9 @@ def test_ceiling_report_summarizes_an_evaluated_single_reward_run(tmp_path, caps
                    f"{(values[0] + values[1]) / 2:.3f} → {(values[2] + values[3]) / 2:.3f} ({best:.3f}) |")
     assert "What it shows." in page and "## `count-alone`" in page and "| count_accuracy | ✓ |" in page
 
-    # a run of another strategy, or one not yet evaluated, is refused by name
+    # a folder that is not a run, a run of another strategy, or one not yet evaluated, is refused by name
+    with pytest.raises(SystemExit, match="no config.json; not a run folder"):
+        report.main(["--out", str(out), str(tmp_path)])
     with pytest.raises(SystemExit, match="not 'single'"):
         report.main(["--out", str(out), str(_tiny_world_run(tmp_path, "mixed", "equal"))])
     (run / "eval_test.json").unlink()
