@@ -37,10 +37,10 @@ def env(tmp_path):
     store = Store.open(home)
     workers: list = []
 
-    def start_worker(*args: str) -> subprocess.Popen:
+    def start_worker(*args: str, **extra_env: str) -> subprocess.Popen:
         log = open(tmp_path / f"worker{len(workers)}.log", "ab")
         proc = subprocess.Popen([PY, "-m", "jobs", "worker", "--poll", "0.2", *args], cwd=REPO,
-                                env=subprocess_env(home), stdout=log, stderr=subprocess.STDOUT,
+                                env=subprocess_env(home, **extra_env), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         log.close()
         workers.append(proc)
@@ -278,17 +278,25 @@ def test_kill_9_marks_interrupted_and_resume_continues_from_the_checkpoint(env):
 
     store = env.store
     rho = 0.7
-    total = 7  # full steps at 1, 4, 7 (N=3): one after any checkpoint (2, 4, 6) the kill can follow
+    total = 9  # full steps at 1, 4, 7 (N=3): one after any checkpoint (2, 4, 6, 8) the kill can follow
     cfg = small_config("marble", steps=total, checkpoint_every=2, sample_every=3,
                        **{"balance.refresh_every": 3, "balance.ema_rho": rho})
     run_id = submit(store, cfg)
-    env.start_worker()
+    # The kill must land while step rows after a checkpoint are in the database and the next checkpoint is
+    # not: from the flush of step c+1 (the next heartbeat) to checkpoint c+2, about one step. A fast
+    # heartbeat makes that window nearly a full step (~0.5 s here) at each of checkpoints 2, 4 and 6.
+    env.start_worker(MARBLE_HEARTBEAT_SECONDS="0.05")
+
+    def logs() -> str:
+        return f"job log:\n{store.log_tail(run_id, 60)}\nworker log:\n{env.worker_log()}"
 
     def checkpoint_and_later_rows():
         ck, run = store.latest_checkpoint(run_id), store.get_run(run_id)
+        if run.status not in (s.QUEUED, s.RUNNING):
+            raise AssertionError(f"run ended ({run.status}) before the kill could follow a checkpoint\n{logs()}")
         return run.status == s.RUNNING and ck is not None and run.step > ck["step"]
 
-    wait_for(checkpoint_and_later_rows, 240, "a checkpoint and rows after it")
+    wait_for(checkpoint_and_later_rows, 240, "a checkpoint and rows after it", interval=0.02, log=logs)
     os.kill(store.get_run(run_id).pid, signal.SIGKILL)
     wait_for(lambda: store.status(run_id) == s.INTERRUPTED, 60, "the worker to see the dead job", log=env.worker_log)
     run = store.get_run(run_id)
@@ -315,8 +323,8 @@ def test_kill_9_marks_interrupted_and_resume_continues_from_the_checkpoint(env):
     rows = store.metrics(run_id).rows
     assert len(rows) == total * KEYS_PER_STEP
     assert [row for row in rows if row[0] <= c] == kept  # rows up to the checkpoint are the original ones
-    assert store.sample_steps(run_id) == [1, 3, 6]
-    assert [x["step"] for x in store.checkpoints(run_id)] == [2, 4, 6, 7]
+    assert store.sample_steps(run_id) == [1, 3, 6, 9]
+    assert [x["step"] for x in store.checkpoints(run_id)] == [2, 4, 6, 8, 9]
 
     # the balancer state came back: ᾱ continues from the saved one
     alpha_at = {row[1].split("/", 1)[1]: row[2] for row in rows if row[0] == c + 1 and row[1].startswith("alpha/")}
