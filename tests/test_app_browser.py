@@ -192,16 +192,7 @@ def test_start_a_run_watch_it_train_then_cancel_it(page, server):
 def test_compare_two_checkpoints_side_by_side(page, server):
     small_run(page, steps=2, name="short run")
     page.locator("#start-status").get_by_text("Queued run").wait_for(timeout=20_000)
-    from jobs.storage import Store
-
-    with Store.open(server["home"]) as store:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            runs = [r for r in store.list_runs() if r.name == "short run"]
-            if runs and runs[0].status in ("succeeded", "failed"):
-                break
-            time.sleep(1)
-        assert runs and runs[0].status == "succeeded", runs
+    wait_until_done(server["home"], "short run")
     tab(page, "Compare")
     page.locator("#compare-reload").click()
     page.wait_for_timeout(1500)
@@ -219,6 +210,57 @@ def test_compare_two_checkpoints_side_by_side(page, server):
     status = page.locator("#compare-status").inner_text()
     assert "step 1" in status and "step 2" in status
     shot(page, "compare")
+
+
+def wait_until_done(home, name: str, timeout: float = 240):
+    from jobs.storage import Store
+
+    with Store.open(home) as store:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            runs = [r for r in store.list_runs() if r.name == name]
+            if runs and runs[0].status in ("succeeded", "failed", "cancelled"):
+                break
+            time.sleep(1)
+        assert runs and runs[0].status == "succeeded", runs
+        return runs[0].id
+
+
+def shown_images(page) -> list[str]:
+    """MD5 of each image the dashboard gallery shows, fetched as the browser fetched it."""
+    import hashlib
+
+    srcs = page.evaluate("() => [...document.querySelectorAll('#gallery img')].map(i => i.src)")
+    return [hashlib.md5(page.request.get(src).body()).hexdigest() for src in srcs]
+
+
+def test_the_gallery_follows_the_picked_run(page, server):
+    """Two runs whose newest samples share a step number (2): picking the second shows its images, not the
+    first's (the sample-step dropdown's value does not change between them)."""
+    import hashlib
+
+    from jobs.storage import Store
+
+    small_run(page, steps=2, name="other seed", seed=1)
+    page.locator("#start-status").get_by_text("Queued run").wait_for(timeout=20_000)
+    ids = {name: wait_until_done(server["home"], name) for name in ("short run", "other seed")}
+    with Store.open(server["home"]) as store:
+        files = {name: [hashlib.md5(Path(s["image"]).read_bytes()).hexdigest() for s in store.samples(i, step=2)]
+                 for name, i in ids.items()}
+    assert files["short run"] and set(files["short run"]).isdisjoint(files["other seed"])
+    tab(page, "Dashboard")
+    page.locator("#dash-reload").click()
+    page.wait_for_timeout(1500)
+    for name in ("short run", "other seed", "short run"):
+        pick(page, "dash-run", name)
+        page.locator("#dash-header").get_by_text(name).wait_for(timeout=30_000)
+        page.wait_for_function(f"() => document.querySelectorAll('#gallery img').length == {len(files[name])}",
+                               timeout=30_000)
+        deadline = time.time() + 30
+        while time.time() < deadline and shown_images(page) != files[name]:
+            page.wait_for_timeout(500)
+        assert shown_images(page) == files[name], name
+        assert page.locator("#sample-step input").input_value() == "2"
 
 
 def test_study_and_replay_pages_render_the_runs(page, server):

@@ -80,10 +80,13 @@ def figures(cache: dict, names: list[str], smoothing: float, cos_index: int | No
 
 
 def gallery_items(run_id: int, step: int | None) -> tuple[list, Any]:
+    """The gallery's (image, caption) items and the specialist-structure heatmap of one sample step
+    (the newest when ``step`` is not one of the run's sample steps)."""
     store = context.store()
     steps = store.sample_steps(run_id)
     if not steps:
-        return [], plots.specialist_structure([], [])
+        return [], plots.empty_figure("Specialist structure",
+                                      "No samples stored yet: a run saves them every sample_every steps.")
     step = step if step in steps else steps[-1]
     samples = store.samples(run_id, step=step)
     names = reward_names(run_id)
@@ -95,13 +98,47 @@ def gallery_items(run_id: int, step: int | None) -> tuple[list, Any]:
     return items, plots.specialist_structure(samples, names)
 
 
-def _sample_steps_update(cache: dict, run_id: int) -> Any:
-    """New sample steps move the gallery to the newest; unchanged ones leave it alone (no reload)."""
+def sample_view(cache: dict, run_id: int) -> tuple[Any, Any, Any]:
+    """(sample-step dropdown, gallery, specialist plot). New sample steps (or another run) move all three to
+    the newest step; unchanged ones leave them alone (no reload). The gallery is filled here, not by the
+    dropdown's change event: a run whose newest sample step has the same number as the last run's would
+    not change the dropdown's value, and the old run's images would stay."""
     steps = context.store().sample_steps(run_id)
     if steps == cache.get("sample_steps"):
-        return gr.skip()
+        return gr.skip(), gr.skip(), gr.skip()
     cache["sample_steps"] = steps
-    return gr.update(choices=steps, value=steps[-1] if steps else None)
+    newest = steps[-1] if steps else None
+    return (gr.update(choices=steps, value=newest), *gallery_items(run_id, newest))
+
+
+def select_run(run_id: int | None, smoothing: float) -> tuple[Any, ...]:
+    """Everything the dashboard shows for a newly picked run (or the empty state for none), in the order of
+    its outputs: cache, header, the four plots, the cosine slider, sample step, gallery, specialist plot."""
+    if run_id is None:
+        empty = plots.empty_figure("", "No run selected.")
+        return (None, "Pick a run.", empty, empty, empty, empty, gr.update(), gr.update(choices=[], value=None), [],
+                plots.empty_figure("Specialist structure", "No run selected."))
+    cache, _ = refresh_cache(None, int(run_id))
+    figs = figures(cache, reward_names(int(run_id)), smoothing, None)
+    n = len(cache["balance"])
+    return (cache, header(int(run_id)), *figs, gr.update(maximum=max(n - 1, 1), value=max(n - 1, 0)),
+            *sample_view(cache, int(run_id)))
+
+
+def tick(run_id: int | None, cache: dict | None, smoothing: float, cos_index: int) -> tuple[Any, ...]:
+    """A timer tick: only what changed since the last one (same order as ``select_run``)."""
+    skip = gr.skip()
+    if run_id is None:
+        return (cache, *[skip] * 9)
+    cache, changed = refresh_cache(cache, int(run_id))
+    head = header(int(run_id))
+    if not changed:
+        return (cache, head, *[skip] * 8)
+    n = len(cache["balance"])
+    at_end = cache.get("cos_follow", True)  # follow the newest step unless the user moved away
+    figs = figures(cache, reward_names(int(run_id)), smoothing, None if at_end else int(cos_index))
+    slider = gr.update(maximum=max(n - 1, 1), value=max(n - 1, 0)) if at_end else gr.update(maximum=max(n - 1, 1))
+    return (cache, head, *figs, slider, *sample_view(cache, int(run_id)))
 
 
 # ---- layout --------------------------------------------------------------------------------------
@@ -130,29 +167,6 @@ def build(timer: gr.Timer) -> dict:
         choices = context.run_choices()
         return gr.update(choices=choices, value=choices[0][1] if choices else None)
 
-    def on_tick(run_id, cache_state, smooth, cos_idx):
-        if run_id is None:
-            return (cache_state, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
-        cache_state, changed = refresh_cache(cache_state, int(run_id))
-        head_md = header(int(run_id))
-        if not changed:
-            return (cache_state, head_md, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
-        n = len(cache_state["balance"])
-        at_end = cache_state.get("cos_follow", True)  # follow the newest step unless the user moved away
-        figs = figures(cache_state, reward_names(int(run_id)), smooth, None if at_end else int(cos_idx))
-        slider = gr.update(maximum=max(n - 1, 1), value=max(n - 1, 0)) if at_end else gr.update(maximum=max(n - 1, 1))
-        return (cache_state, head_md, *figs, slider, _sample_steps_update(cache_state, int(run_id)))
-
-    def on_run(run_id, smooth):
-        if run_id is None:
-            return (None, "Pick a run.", *[plots.empty_figure("", "No run selected.")] * 4, gr.update(),
-                    gr.update(choices=[]))
-        c, _ = refresh_cache(None, int(run_id))
-        figs = figures(c, reward_names(int(run_id)), smooth, None)
-        n = len(c["balance"])
-        return (c, header(int(run_id)), *figs, gr.update(maximum=max(n - 1, 1), value=max(n - 1, 0)),
-                _sample_steps_update(c, int(run_id)))
-
     def on_cos(run_id, cache_state, idx):
         if run_id is None or not cache_state or not cache_state["balance"]:
             return cache_state, gr.skip()
@@ -165,12 +179,13 @@ def build(timer: gr.Timer) -> dict:
             return gr.skip()
         return plots.reward_curves(cache_state["series"], reward_names(int(run_id)), smooth)
 
-    outs = [cache, head, reward_plot, alpha_plot, cos_plot, conflict_plot, cos_step, sample_step]
+    outs = [cache, head, reward_plot, alpha_plot, cos_plot, conflict_plot, cos_step, sample_step, gallery, spec_plot]
     reload_btn.click(load_choices, None, run_box)
-    run_box.change(on_run, [run_box, smoothing], outs)
-    timer.tick(on_tick, [run_box, cache, smoothing, cos_step], outs, show_progress="hidden")
+    run_box.change(select_run, [run_box, smoothing], outs)
+    timer.tick(tick, [run_box, cache, smoothing, cos_step], outs, show_progress="hidden")
     cos_step.release(on_cos, [run_box, cache, cos_step], [cache, cos_plot])
     smoothing.release(on_smooth, [run_box, cache, smoothing], reward_plot)
-    sample_step.change(lambda r, s: gallery_items(int(r), s) if r is not None else ([], gr.skip()),
-                       [run_box, sample_step], [gallery, spec_plot])
+    # the user's choice of step only: a new run or new samples fill the gallery themselves (sample_view)
+    sample_step.input(lambda r, s: gallery_items(int(r), s) if r is not None else ([], gr.skip()),
+                      [run_box, sample_step], [gallery, spec_plot])
     return {"run": run_box, "load_choices": load_choices}

@@ -1,0 +1,96 @@
+"""The dashboard's handlers on a real SQLite store: picking a run, timer ticks, and the sample gallery
+following the picked run (written through the job's own EventWriter, as a training job writes)."""
+
+import gradio as gr
+import pytest
+
+from app import context
+from jobs.writer import EventWriter
+from tests.jobs_support import REWARDS, balance_event, sample_event, start_event, step_event
+
+OUTPUTS = ["cache", "header", "rewards", "alpha", "cosine", "conflict", "cos_step", "sample_step", "gallery", "spec"]
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.setenv("MARBLE_HOME", str(tmp_path))
+    context.store.cache_clear()
+    yield context.store()
+    context.store().close()
+    context.store.cache_clear()
+
+
+def make_run(store, name: str, sample_steps: list[int], total: int = 10) -> tuple[int, EventWriter]:
+    """A run with steps 1..max(sample_steps) and a sample event at each of ``sample_steps``; every image is a
+    distinct file of its own run."""
+    run_id = store.create_run({"rewards": [{"name": n} for n in REWARDS]}, strategy="marble",
+                              total_steps=total, name=name)
+    writer = EventWriter(store, run_id, store.run_dir(run_id))
+    writer(start_event(total))
+    for step in range(1, max(sample_steps) + 1):
+        writer(step_event(step, phase="full" if step == 1 else "amortized"))
+        if step == 1:
+            writer(balance_event(step))
+        if step in sample_steps:
+            add_samples(store, writer, run_id, step)
+    writer.flush()
+    return run_id, writer
+
+
+def add_samples(store, writer, run_id: int, step: int) -> None:
+    event = sample_event(step)
+    for item in event.items:
+        path = store.run_dir(run_id) / item["path"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(f"run {run_id} step {step} {item['path']}".encode())
+    writer(event)
+
+
+def shown(out) -> dict:
+    return dict(zip(OUTPUTS, out, strict=True))
+
+
+def test_switching_runs_shows_the_new_runs_samples_even_at_the_same_step_number(store):
+    from app.pages.dashboard import select_run
+
+    a, _ = make_run(store, "a", [1, 3])
+    b, _ = make_run(store, "b", [2, 3])  # newest sample step 3, as a's: the step dropdown's value does not change
+    first = shown(select_run(a, 0.6))
+    assert first["sample_step"]["value"] == 3 and first["sample_step"]["choices"] == [1, 3]
+    assert [img for img, _ in first["gallery"]] == [s["image"] for s in store.samples(a, step=3)]
+    second = shown(select_run(b, 0.6))
+    assert second["sample_step"]["value"] == 3 and second["sample_step"]["choices"] == [2, 3]
+    images = [img for img, _ in second["gallery"]]
+    assert images == [s["image"] for s in store.samples(b, step=3)] and all(f"run_{b:06d}" in i for i in images)
+    assert "step 3" in second["spec"].layout.title.text and len(second["spec"].data[0].y) == len(images)
+
+
+def test_a_tick_moves_the_gallery_to_new_samples_and_leaves_it_alone_otherwise(store):
+    from app.pages.dashboard import select_run, tick
+
+    run_id, writer = make_run(store, "live", [1])
+    out = shown(select_run(run_id, 0.6))
+    cache = out["cache"]
+    writer(step_event(2))
+    writer.flush()
+    out = shown(tick(run_id, cache, 0.6, 0))  # a new step, no new samples: the gallery is not re-sent
+    assert out["rewards"] != gr.skip() and all(out[k] == gr.skip() for k in ("sample_step", "gallery", "spec"))
+    writer(step_event(3))
+    add_samples(store, writer, run_id, 3)
+    writer.flush()
+    out = shown(tick(run_id, out["cache"], 0.6, 0))
+    assert out["sample_step"]["value"] == 3 and out["sample_step"]["choices"] == [1, 3]
+    assert [img for img, _ in out["gallery"]] == [s["image"] for s in store.samples(run_id, step=3)]
+
+
+def test_empty_states_say_what_is_missing(store):
+    from app.pages.dashboard import select_run
+
+    out = shown(select_run(None, 0.6))
+    assert out["header"] == "Pick a run." and out["gallery"] == []
+    for key in ("rewards", "alpha", "cosine", "conflict", "spec"):
+        assert "No run selected." in out[key].layout.annotations[0].text
+    run_id = store.create_run({"rewards": [{"name": n} for n in REWARDS]}, strategy="marble", total_steps=5)
+    out = shown(select_run(run_id, 0.6))  # queued: nothing recorded yet
+    assert out["gallery"] == [] and "No samples stored yet" in out["spec"].layout.annotations[0].text
+    assert "No steps recorded yet" in out["rewards"].layout.annotations[0].text
