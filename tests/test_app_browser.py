@@ -209,6 +209,10 @@ def test_compare_two_checkpoints_side_by_side(page, server):
                            ".filter(i => i.naturalWidth > 0).length >= 4", timeout=30_000)
     status = page.locator("#compare-status").inner_text()
     assert "step 1" in status and "step 2" in status
+    # the A/B slider shows the first row's two columns as soon as the grid is done
+    page.locator("#compare-slider").scroll_into_view_if_needed()
+    page.wait_for_function("() => [...document.querySelectorAll('#compare-slider img')]"
+                           ".filter(i => i.naturalWidth > 0).length >= 2", timeout=30_000)
     shot(page, "compare")
 
 

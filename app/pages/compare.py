@@ -54,17 +54,21 @@ def start(name: str, picked: list[str], prompts_text: str, seeds_text: str, step
     return f"Comparison **#{cid}** generating in the background…", gr.update(choices=saved_choices(), value=cid)
 
 
-def grid(comparison_id: Any) -> tuple[str, list, list[str], Any]:
-    """(status markdown, gallery items row-major, row labels for the A/B slider, slider update)."""
+def grid(comparison_id: Any, a: int = 0, b: int = 1) -> tuple[str, Any, list[str], Any, Any]:
+    """(status markdown, gallery items row-major, row labels, A/B row dropdown update, A/B slider pair).
+    The slider is filled here for the first row, not by the row dropdown's change event: two comparisons
+    with the same first prompt and seed have the same row label, so the dropdown's value would not change
+    and the slider would keep the previous comparison's images."""
     if comparison_id is None:
-        return "No comparison selected.", [], [], gr.update(choices=[])
+        return "No comparison selected.", [], [], gr.update(choices=[], value=None), None
     row = context.store().get_comparison(int(comparison_id))
     result = row.get("result") or {}
     status = result.get("status", "queued")
     if status == "failed":
-        return f"**Failed:** `{result.get('error')}`", [], [], gr.update(choices=[])
+        return f"**Failed:** `{result.get('error')}`", [], [], gr.update(choices=[], value=None), None
     if status != "done":
-        return f"Comparison #{row['id']} is **{status}** — the grid appears when it is done.", [], [], gr.skip()
+        return (f"Comparison #{row['id']} is **{status}** — the grid appears when it is done.", [], [],
+                gr.update(choices=[], value=None), None)
     items, labels = [], []
     for i, r in enumerate(result["rows"]):
         labels.append(f"{i}: {r['prompt']} (seed {r['seed']})")
@@ -76,19 +80,36 @@ def grid(comparison_id: Any) -> tuple[str, list, list[str], Any]:
     md = (f"Comparison #{row['id']} **{row['name']}**: {len(result['rows'])} prompt×seed rows × {n} columns "
           f"({result.get('seconds', 0):.1f} s). Columns: "
           + ", ".join(c["label"] for c in result["rows"][0]["cells"]))
-    return md, gr.update(value=items, columns=max(1, min(n, 8))), labels, gr.update(
-        choices=labels, value=labels[0] if labels else None)
+    first = labels[0] if labels else None
+    return (md, gr.update(value=items, columns=max(1, min(n, 8))), labels,
+            gr.update(choices=labels, value=first), slider_pair(comparison_id, first, a, b))
 
 
 def slider_pair(comparison_id: Any, row_label: str | None, a: int, b: int) -> Any:
+    """The A and B columns' images of one row (columns past the last are clamped to it)."""
     if comparison_id is None or not row_label:
         return None
     result = context.store().get_comparison(int(comparison_id)).get("result") or {}
     if result.get("status") != "done":
         return None
     cells = result["rows"][int(row_label.split(":", 1)[0])]["cells"]
-    a, b = min(int(a), len(cells) - 1), min(int(b), len(cells) - 1)
+    a, b = min(int(a or 0), len(cells) - 1), min(int(b or 0), len(cells) - 1)
     return (cells[a]["path"], cells[b]["path"])
+
+
+def poll(comparison_id: Any, shown: Any, a: int, b: int) -> tuple[Any, ...]:
+    """A timer tick on the shown comparison: (status, gallery, shown, row dropdown, slider, saved list). It
+    re-sends the grid only when what it shows changed (queued -> running -> done or failed); ``shown`` is
+    the rows once done, else the status line."""
+    skip = gr.skip()
+    if comparison_id is None:
+        return skip, skip, shown, skip, skip, skip
+    md, items, labels, rows, pair = grid(comparison_id, a, b)
+    key = labels or md
+    if key == shown:
+        return skip, skip, shown, skip, skip, skip
+    finished = bool(labels) or md.startswith("**Failed")
+    return md, items, key, rows, pair, gr.update(choices=saved_choices()) if finished else skip
 
 
 def build(timer: gr.Timer) -> dict:
@@ -119,18 +140,12 @@ def build(timer: gr.Timer) -> dict:
     refresh.click(lambda: (gr.update(choices=entry_choices()), gr.update(choices=saved_choices())), None,
                   [picked, saved])
     go_btn.click(start, [name, picked, prompts, seeds, steps, guidance], [status, saved])
-    saved.change(grid, saved, [status, gallery, done, row_pick])
+    outs = [status, gallery, done, row_pick, slider]
+    saved.change(grid, [saved, a_idx, b_idx], outs)
 
-    def poll(cid, shown):
-        if cid is None:
-            return gr.skip(), gr.skip(), shown, gr.skip(), gr.skip()
-        md, items, labels, upd = grid(cid)
-        if labels == shown and labels:
-            return gr.skip(), gr.skip(), shown, gr.skip(), gr.skip()
-        finished = bool(labels) or md.startswith("**Failed")
-        return md, items, labels, upd, gr.update(choices=saved_choices()) if finished else gr.skip()
-
-    timer.tick(poll, [saved, done], [status, gallery, done, row_pick, saved], show_progress="hidden")
-    for comp in (row_pick, a_idx, b_idx):
+    timer.tick(poll, [saved, done, a_idx, b_idx], [*outs, saved], show_progress="hidden")
+    # the user's choices only: a newly shown comparison fills the slider itself (grid)
+    row_pick.input(slider_pair, [saved, row_pick, a_idx, b_idx], slider)
+    for comp in (a_idx, b_idx):
         comp.change(slider_pair, [saved, row_pick, a_idx, b_idx], slider)
     return {"entries": picked, "refresh": refresh}

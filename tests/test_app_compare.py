@@ -1,0 +1,75 @@
+"""The Compare page's handlers on a real SQLite store: a saved grid, its A/B slider, and the timer tick that
+follows a comparison from queued to done or failed."""
+
+import gradio as gr
+import pytest
+
+from app import context
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.setenv("MARBLE_HOME", str(tmp_path))
+    context.store.cache_clear()
+    yield context.store()
+    context.store().close()
+    context.store.cache_clear()
+
+
+def done_result(tag: str, prompts=("a red circle", "a blue square"), columns=("base", "step 2")) -> dict:
+    return {"status": "done", "seconds": 1.5, "rows": [
+        {"prompt": p, "seed": 0, "cells": [{"label": c, "path": f"/grids/{tag}/p{i}_c{j}.png",
+                                            "scores": {"colorfulness": 0.1 * j, "brightness": float("nan")}}
+                                           for j, c in enumerate(columns)]}
+        for i, p in enumerate(prompts)]}
+
+
+def test_each_comparison_fills_its_own_slider_even_with_the_same_row_labels(store):
+    from app.pages.compare import grid, slider_pair
+
+    first = store.add_comparison("first", [], result=done_result("first"))
+    second = store.add_comparison("second", [], result=done_result("second"))
+    md, items, labels, rows, pair = grid(first, 0, 1)
+    assert labels == ["0: a red circle (seed 0)", "1: a blue square (seed 0)"] and rows["value"] == labels[0]
+    assert pair == ("/grids/first/p0_c0.png", "/grids/first/p0_c1.png")
+    assert len(items["value"]) == 4 and "2 prompt×seed rows × 2 columns" in md and "base, step 2" in md
+    assert "colorfulne 0.1" in items["value"][1][1] and "brightness" not in items["value"][1][1]  # NaN left out
+    *_, labels2, rows2, pair2 = grid(second, 0, 1)
+    assert labels2 == labels and rows2["value"] == rows["value"]  # the row dropdown's value does not change ...
+    assert pair2 == ("/grids/second/p0_c0.png", "/grids/second/p0_c1.png")  # ... the slider does
+    assert slider_pair(second, labels[1], 1, 7) == ("/grids/second/p1_c1.png", "/grids/second/p1_c1.png")  # clamped
+
+
+def test_unfinished_failed_and_missing_comparisons_clear_the_grid(store):
+    from app.pages.compare import grid
+
+    running = store.add_comparison("running", [], result={"status": "running"})
+    failed = store.add_comparison("failed", [], result={"status": "failed", "error": "OSError: no such model"})
+    md, items, labels, rows, pair = grid(running)
+    assert "is **running**" in md and items == [] and labels == [] and pair is None and rows["value"] is None
+    md, _, labels, _, pair = grid(failed)
+    assert md == "**Failed:** `OSError: no such model`" and labels == [] and pair is None
+    assert grid(None)[0] == "No comparison selected."
+
+
+def test_the_tick_sends_the_grid_once_per_state(store):
+    from app.pages.compare import poll
+
+    cid = store.add_comparison("live", [], result={"status": "queued"})
+    skip = gr.skip()
+    out = poll(cid, [], 0, 1)
+    assert "is **queued**" in out[0] and out[5] == skip  # not finished: the saved list stays
+    assert poll(cid, out[2], 0, 1)[:2] == (skip, skip)  # nothing new: nothing sent
+    store.update_comparison(cid, {"status": "running"})
+    out = poll(cid, out[2], 0, 1)
+    assert "is **running**" in out[0]
+    store.update_comparison(cid, done_result("live"))
+    out = poll(cid, out[2], 0, 1)
+    assert out[2] == ["0: a red circle (seed 0)", "1: a blue square (seed 0)"]
+    assert out[4] == ("/grids/live/p0_c0.png", "/grids/live/p0_c1.png")
+    assert out[5]["choices"] == [(f"#{cid} live · done", cid)]  # the saved list shows it done
+    assert poll(cid, out[2], 0, 1) == (skip, skip, out[2], skip, skip, skip)
+    failing = store.add_comparison("bad", [], result={"status": "failed", "error": "boom"})
+    out = poll(failing, [], 0, 1)
+    assert out[0].startswith("**Failed") and out[5] != skip
+    assert poll(failing, out[2], 0, 1)[5] == skip  # reported once, not on every tick
