@@ -154,3 +154,13 @@ def test_a_config_shown_in_the_form_builds_back_to_the_same_config():
     again = build_config("tiny", {f.path: v for f, v in zip(fields, values)}, rewards, weights, stages, single,
                          sources)
     assert again == cfg
+
+
+def test_replay_page_says_what_to_do_and_refuses_a_blank_n():
+    from app.pages.replay import EMPTY, render
+
+    fig, note = render(None, 0.7, 10, True)
+    assert EMPTY in fig.layout.annotations[0].text and note == ""
+    for bad in (None, 2.5):  # an emptied or fractional N box: a message, not a traceback
+        fig, note = render(1, 0.7, bad, True)
+        assert f"N={bad}: write a whole number of steps" in note and "N=" in fig.layout.annotations[0].text

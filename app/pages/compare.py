@@ -12,6 +12,11 @@ import gradio as gr
 from app import context
 
 
+EMPTY = ("Pick two or more checkpoints or base models (“Reload checkpoints” lists new ones), write prompts and "
+         "seeds, and press “Generate side by side”: the grid is made in the background, every image scored by "
+         "the runs' rewards. Earlier grids reopen from “Saved comparisons”.")
+
+
 def entry_choices() -> list[tuple[str, str]]:
     """("#3 marble · step 200", json entry) for every checkpoint, plus each run model's base model."""
     store = context.store()
@@ -60,7 +65,7 @@ def grid(comparison_id: Any, a: int = 0, b: int = 1) -> tuple[str, Any, list[str
     with the same first prompt and seed have the same row label, so the dropdown's value would not change
     and the slider would keep the previous comparison's images."""
     if comparison_id is None:
-        return "No comparison selected.", [], [], gr.update(choices=[], value=None), None
+        return EMPTY, [], [], gr.update(choices=[], value=None), None
     row = context.store().get_comparison(int(comparison_id))
     result = row.get("result") or {}
     status = result.get("status", "queued")
@@ -126,7 +131,7 @@ def build(timer: gr.Timer) -> dict:
             steps = gr.Number(label="Denoising steps", value=10, precision=0)
             guidance = gr.Number(label="Guidance scale", value=1.0)
             go_btn = gr.Button("Generate side by side", variant="primary", elem_id="compare-start")
-    status = gr.Markdown(elem_id="compare-status")
+    status = gr.Markdown(EMPTY, elem_id="compare-status")
     saved = gr.Dropdown(choices=[], label="Saved comparisons", elem_id="compare-saved")
     gallery = gr.Gallery(label="Grid (one row per prompt and seed, one column per checkpoint)", columns=4,
                          height=520, elem_id="compare-gallery")

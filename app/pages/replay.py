@@ -8,9 +8,15 @@ from app import context, plots
 from app.replay import replay
 
 
-def render(run_id, rho: float, refresh_every: float, normalize: bool):
+EMPTY = "Pick a run: its stored Gram matrices are re-solved here with the ρ, N and normalization above."
+
+
+def render(run_id, rho: float, refresh_every: float | None, normalize: bool):
     if run_id is None:
-        return plots.empty_figure("Replay", "Pick a run."), ""
+        return plots.empty_figure("Replay", EMPTY), ""
+    if refresh_every is None or refresh_every != int(refresh_every):
+        msg = f"N={refresh_every}: write a whole number of steps ≥ 1"
+        return plots.empty_figure("Replay", msg), f"`{msg}`"
     run = context.store().get_run(int(run_id))
     names = [r["name"] for r in run.config["rewards"]]
     rows = context.store().balance(int(run_id))
@@ -26,6 +32,10 @@ def render(run_id, rho: float, refresh_every: float, normalize: bool):
 
 
 def build() -> dict:
+    gr.Markdown("What would the balancing coefficients have been with another EMA ρ, refresh period N or without "
+                "gradient normalization? Replay re-runs MARBLE's solver over a run's stored per-reward Gram "
+                "matrices (full and diagnostic steps) and draws the replayed ᾱ next to the recorded one. "
+                "Nothing is retrained.")
     with gr.Row():
         run = gr.Dropdown(choices=[], label="Run", elem_id="replay-run", scale=3)
         reload_btn = gr.Button("Reload runs", scale=1, elem_id="replay-reload")
@@ -33,7 +43,7 @@ def build() -> dict:
         rho = gr.Slider(0, 0.95, value=0.7, step=0.05, label="ρ (EMA)", elem_id="replay-rho")
         every = gr.Number(value=10, precision=0, label="N (solve every N steps)", elem_id="replay-n")
         normalize = gr.Checkbox(value=True, label="Normalize gradients", elem_id="replay-normalize")
-    fig = gr.Plot(elem_id="plot-replay")
+    fig = gr.Plot(plots.empty_figure("Replay", EMPTY), elem_id="plot-replay")
     note = gr.Markdown(elem_id="replay-note")
     reload_btn.click(lambda: gr.update(choices=context.run_choices()), None, run)
     for comp in (run, rho, every, normalize):
