@@ -267,6 +267,28 @@ def test_the_gallery_follows_the_picked_run(page, server):
         assert page.locator("#sample-step input").input_value() == "2"
 
 
+def test_delete_asks_before_it_removes_a_run(page, server):
+    from jobs.storage import Store
+
+    tab(page, "Runs")
+    page.wait_for_function("() => document.querySelector('#runs-table').innerText.includes('other seed')",
+                           timeout=30_000)
+    pick(page, "runs-pick", "other seed")
+    page.locator("#run-delete").click()
+    page.locator("#runs-message").get_by_text("cannot be undone").wait_for(timeout=20_000)
+    with Store.open(server["home"]) as store:
+        assert any(r.name == "other seed" for r in store.list_runs())  # asked, not deleted
+    page.locator("#run-delete-confirm").click()
+    page.locator("#runs-message").get_by_text("deleted with its folder").wait_for(timeout=20_000)
+    page.wait_for_function("() => !document.querySelector('#runs-table').innerText.includes('other seed')",
+                           timeout=30_000)
+    assert not page.locator("#run-delete-confirm").is_visible()
+    with Store.open(server["home"]) as store:
+        assert not any(r.name == "other seed" for r in store.list_runs())
+    page.wait_for_timeout(3000)  # a few timer ticks after the picked run is gone: no error toast
+    assert page.locator(".toast-body.error, .toast-wrap .error").count() == 0
+
+
 def test_study_and_replay_pages_render_the_runs(page, server):
     tab(page, "Study")
     page.locator("#study-reload").click()

@@ -52,6 +52,37 @@ def act(action: str, run_id: Any) -> str:
     return f"unknown action {action!r}"
 
 
+def ask_delete(run_id: Any) -> tuple[str, Any, Any]:
+    """Delete's first click: (message, confirm button, pending run). Nothing is deleted until the confirm
+    button is pressed for the same run; a run that is still queued or running is refused at once."""
+    from jobs import schema as s
+    from jobs.storage import RunNotFound
+
+    hidden = gr.update(visible=False)
+    if run_id is None:
+        return "Pick a run first.", hidden, None
+    rid = int(run_id)
+    try:
+        run = context.store().get_run(rid)
+    except RunNotFound as e:
+        return f"Run #{rid}: {e}", hidden, None
+    if run.status in s.ACTIVE:
+        return f"Run #{rid} is {run.status}: cancel it before deleting it.", hidden, None
+    return (f"Delete run #{rid} {run.name or ''} ({run.status}, step {run.step}) with its folder — checkpoints, "
+            f"samples, log? This cannot be undone. Press **Delete for good** to confirm.",
+            gr.update(visible=True, value=f"Delete #{rid} for good"), rid)
+
+
+def confirm_delete(pending: Any, run_id: Any) -> tuple[str, Any, Any, Any]:
+    """Delete's confirmation: (message, confirm button, pending run, run picker)."""
+    hidden = gr.update(visible=False)
+    if pending is None or run_id is None or int(pending) != int(run_id):
+        return "Nothing deleted: the picked run changed. Press Delete again.", hidden, None, gr.skip()
+    message = act("delete", pending)
+    deleted = message.endswith("deleted with its folder.")
+    return message, hidden, None, gr.update(choices=context.run_choices(), value=None) if deleted else gr.skip()
+
+
 def duplicate_values(run_id: Any, fields: list[FormField]) -> list[Any]:
     """A run's preset, a name for the copy, and its config as New-run form values."""
     from core.config import TrainConfig
@@ -59,6 +90,16 @@ def duplicate_values(run_id: Any, fields: list[FormField]) -> list[Any]:
     run = context.store().get_run(int(run_id))
     return [run.preset, f"{run.name or 'run ' + str(run.id)} (copy)",
             *config_form_values(TrainConfig.from_dict(run.config), fields)]
+
+
+def _log(run_id: Any) -> str:
+    """The job log's last 60 lines; a run deleted meanwhile (here or in another tab) has none."""
+    from jobs.storage import RunNotFound
+
+    try:
+        return context.store().log_tail(int(run_id), 60)
+    except RunNotFound:
+        return ""
 
 
 def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dict:
@@ -70,14 +111,18 @@ def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dic
         resume_btn = gr.Button("Resume", elem_id="run-resume", scale=1)
         dup_btn = gr.Button("Duplicate with changes", elem_id="run-duplicate", scale=1)
         delete_btn = gr.Button("Delete", elem_id="run-delete", scale=1)
-    message = gr.Markdown(elem_id="runs-message")
+    with gr.Row():
+        message = gr.Markdown(elem_id="runs-message")
+        confirm_btn = gr.Button("Delete for good", elem_id="run-delete-confirm", variant="stop", visible=False,
+                                scale=0, min_width=220)
+    pending = gr.State(None)
     log = gr.Textbox(label="Job log (last 60 lines)", lines=12, max_lines=12, interactive=False, elem_id="run-log")
 
     def on_tick(previous, run_id):
         df = runs_table()
         key = df.to_json()
         choices = context.run_choices()
-        log_text = context.store().log_tail(int(run_id), 60) if run_id is not None else gr.skip()
+        log_text = _log(run_id) if run_id is not None else gr.skip()
         if key == previous:
             return previous, gr.skip(), gr.skip(), log_text
         empty = df.empty
@@ -86,10 +131,14 @@ def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dic
                 gr.update(choices=choices), log_text)
 
     timer.tick(on_tick, [last, pick], [last, table, pick, log], show_progress="hidden")
-    for btn, action in ((cancel_btn, "cancel"), (resume_btn, "resume"), (delete_btn, "delete")):
+    for btn, action in ((cancel_btn, "cancel"), (resume_btn, "resume")):
         btn.click(lambda r, a=action: act(a, r), pick, message)
+    delete_btn.click(ask_delete, pick, [message, confirm_btn, pending])
+    confirm_btn.click(confirm_delete, [pending, pick], [message, confirm_btn, pending, pick])
     dup_outputs = [new_run["preset"], new_run["name"], *new_run["widgets"], *new_run["extras"]]
     dup_btn.click(lambda r: duplicate_values(r, new_run["fields"]) if r is not None else [gr.skip()] * len(
         dup_outputs), pick, dup_outputs).then(lambda: gr.Tabs(selected=new_tab_id), None, tabs)
-    pick.change(lambda r: context.store().log_tail(int(r), 60) if r is not None else "", pick, log)
+    # another pick withdraws a pending delete
+    pick.change(lambda r: (_log(r) if r is not None else "", gr.update(visible=False), None), pick,
+                [log, confirm_btn, pending])
     return {"pick": pick}

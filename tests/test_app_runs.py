@@ -1,0 +1,56 @@
+"""The Runs page's handlers on a real SQLite store: delete asks first, and nothing is deleted without the
+confirmation for the same run."""
+
+import pytest
+
+from app import context
+from jobs import schema as s
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.setenv("MARBLE_HOME", str(tmp_path))
+    context.store.cache_clear()
+    yield context.store()
+    context.store().close()
+    context.store.cache_clear()
+
+
+def finished_run(store, name: str) -> int:
+    run_id = store.create_run({}, strategy="marble", total_steps=3, name=name)
+    assert store.claim(run_id) == run_id
+    store.finish(run_id, s.SUCCEEDED)
+    store.run_dir(run_id).mkdir(parents=True, exist_ok=True)
+    (store.run_dir(run_id) / "job.log").write_text("step 1\nstep 2\n")
+    return run_id
+
+
+def test_delete_asks_first_and_deletes_only_the_confirmed_run(store):
+    from app.pages.runs import ask_delete, confirm_delete
+
+    keep, doomed = finished_run(store, "keep"), finished_run(store, "doomed")
+    message, button, pending = ask_delete(doomed)
+    assert "cannot be undone" in message and button["visible"] is True and pending == doomed
+    assert {r.id for r in store.list_runs()} == {keep, doomed}  # asking deletes nothing
+
+    message, button, pending, picker = confirm_delete(doomed, keep)  # the pick moved to another run meanwhile
+    assert "Nothing deleted" in message and button["visible"] is False and pending is None
+    assert {r.id for r in store.list_runs()} == {keep, doomed}
+
+    folder = store.run_dir(doomed)
+    message, button, pending, picker = confirm_delete(doomed, doomed)
+    assert message == f"Run #{doomed} deleted with its folder." and button["visible"] is False and pending is None
+    assert [r.id for r in store.list_runs()] == [keep] and not folder.exists()
+    assert picker["value"] is None and [c[1] for c in picker["choices"]] == [keep]
+
+
+def test_delete_refuses_a_queued_run_and_a_missing_pick(store):
+    from app.pages.runs import _log, ask_delete
+
+    queued = store.create_run({}, strategy="marble", total_steps=3, name="waiting")
+    message, button, pending = ask_delete(queued)
+    assert message == f"Run #{queued} is queued: cancel it before deleting it." and pending is None
+    assert button["visible"] is False and store.status(queued) == s.QUEUED
+    assert ask_delete(None)[0] == "Pick a run first."
+    assert "does not exist" in ask_delete(queued + 1)[0]
+    assert _log(queued + 1) == ""  # a run deleted in another tab: the log is empty, not an error every tick
