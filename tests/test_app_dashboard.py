@@ -94,3 +94,20 @@ def test_empty_states_say_what_is_missing(store):
     out = shown(select_run(run_id, 0.6))  # queued: nothing recorded yet
     assert out["gallery"] == [] and "No samples stored yet" in out["spec"].layout.annotations[0].text
     assert "No steps recorded yet" in out["rewards"].layout.annotations[0].text
+
+
+def test_a_run_deleted_while_shown_gets_a_message_once_not_an_error_every_tick(store):
+    from app.pages.dashboard import select_run, tick
+    from jobs import schema as s
+
+    run_id, writer = make_run(store, "doomed", [1])
+    out = shown(select_run(run_id, 0.6))
+    store.claim(run_id)
+    store.finish(run_id, s.SUCCEEDED)
+    store.delete_run(run_id)
+    out = shown(tick(run_id, out["cache"], 0.6, 0))
+    assert out["header"].startswith(f"Run #{run_id} no longer exists") and out["gallery"] == []
+    assert f"Run #{run_id} was deleted." in out["rewards"].layout.annotations[0].text
+    again = tick(run_id, out["cache"], 0.6, 0)
+    assert all(x == gr.skip() for x in again[1:])  # said once; later ticks send nothing
+    assert shown(select_run(run_id, 0.6))["header"].startswith(f"Run #{run_id} no longer exists")

@@ -9,6 +9,7 @@ from typing import Any
 import gradio as gr
 
 from app import context, plots
+from jobs.storage import RunNotFound
 
 MAX_POINTS = 600  # per metric key (~1 point per 2 px of a wide plot): beyond, the series is re-read down-sampled
 REFRESH_SECONDS = 2.0
@@ -111,34 +112,51 @@ def sample_view(cache: dict, run_id: int) -> tuple[Any, Any, Any]:
     return (gr.update(choices=steps, value=newest), *gallery_items(run_id, newest))
 
 
+def _empty_state(head: str, message: str, cache: dict | None = None) -> tuple[Any, ...]:
+    empty = plots.empty_figure("", message)
+    return (cache, head, empty, empty, empty, empty, gr.update(), gr.update(choices=[], value=None), [],
+            plots.empty_figure("Specialist structure", message))
+
+
+def _gone(run_id: int) -> tuple[Any, ...]:
+    """The empty state for a run that no longer exists; the cache remembers it so later ticks send nothing."""
+    return _empty_state(f"Run #{run_id} no longer exists (deleted). Pick another run.",
+                        f"Run #{run_id} was deleted.", {"gone": run_id})
+
+
 def select_run(run_id: int | None, smoothing: float) -> tuple[Any, ...]:
     """Everything the dashboard shows for a newly picked run (or the empty state for none), in the order of
     its outputs: cache, header, the four plots, the cosine slider, sample step, gallery, specialist plot."""
     if run_id is None:
-        empty = plots.empty_figure("", "No run selected.")
-        return (None, "Pick a run.", empty, empty, empty, empty, gr.update(), gr.update(choices=[], value=None), [],
-                plots.empty_figure("Specialist structure", "No run selected."))
-    cache, _ = refresh_cache(None, int(run_id))
-    figs = figures(cache, reward_names(int(run_id)), smoothing, None)
-    n = len(cache["balance"])
-    return (cache, header(int(run_id)), *figs, gr.update(maximum=max(n - 1, 1), value=max(n - 1, 0)),
-            *sample_view(cache, int(run_id)))
+        return _empty_state("Pick a run.", "No run selected.")
+    try:
+        cache, _ = refresh_cache(None, int(run_id))
+        figs = figures(cache, reward_names(int(run_id)), smoothing, None)
+        n = len(cache["balance"])
+        return (cache, header(int(run_id)), *figs, gr.update(maximum=max(n - 1, 1), value=max(n - 1, 0)),
+                *sample_view(cache, int(run_id)))
+    except RunNotFound:
+        return _gone(int(run_id))
 
 
 def tick(run_id: int | None, cache: dict | None, smoothing: float, cos_index: int) -> tuple[Any, ...]:
     """A timer tick: only what changed since the last one (same order as ``select_run``)."""
     skip = gr.skip()
-    if run_id is None:
+    if run_id is None or (cache or {}).get("gone") == int(run_id):
         return (cache, *[skip] * 9)
-    cache, changed = refresh_cache(cache, int(run_id))
-    head = header(int(run_id))
-    if not changed:
-        return (cache, head, *[skip] * 8)
-    n = len(cache["balance"])
-    at_end = cache.get("cos_follow", True)  # follow the newest step unless the user moved away
-    figs = figures(cache, reward_names(int(run_id)), smoothing, None if at_end else int(cos_index))
-    slider = gr.update(maximum=max(n - 1, 1), value=max(n - 1, 0)) if at_end else gr.update(maximum=max(n - 1, 1))
-    return (cache, head, *figs, slider, *sample_view(cache, int(run_id)))
+    try:
+        cache, changed = refresh_cache(cache, int(run_id))
+        head = header(int(run_id))
+        if not changed:
+            return (cache, head, *[skip] * 8)
+        n = len(cache["balance"])
+        at_end = cache.get("cos_follow", True)  # follow the newest step unless the user moved away
+        figs = figures(cache, reward_names(int(run_id)), smoothing, None if at_end else int(cos_index))
+        slider = (gr.update(maximum=max(n - 1, 1), value=max(n - 1, 0)) if at_end
+                  else gr.update(maximum=max(n - 1, 1)))
+        return (cache, head, *figs, slider, *sample_view(cache, int(run_id)))
+    except RunNotFound:  # deleted from the Runs page (or another tab) while shown here
+        return _gone(int(run_id))
 
 
 # ---- layout --------------------------------------------------------------------------------------
@@ -168,14 +186,14 @@ def build(timer: gr.Timer) -> dict:
         return gr.update(choices=choices, value=choices[0][1] if choices else None)
 
     def on_cos(run_id, cache_state, idx):
-        if run_id is None or not cache_state or not cache_state["balance"]:
+        if run_id is None or not cache_state or not cache_state.get("balance"):
             return cache_state, gr.skip()
         rows = cache_state["balance"]
         cache_state["cos_follow"] = int(idx) >= len(rows) - 1  # back at the right end: follow again
         return cache_state, plots.cosine_heatmap(rows[min(int(idx), len(rows) - 1)])
 
     def on_smooth(run_id, cache_state, smooth):
-        if run_id is None or not cache_state:
+        if run_id is None or not cache_state or "series" not in cache_state:
             return gr.skip()
         return plots.reward_curves(cache_state["series"], reward_names(int(run_id)), smooth)
 

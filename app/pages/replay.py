@@ -6,6 +6,7 @@ import gradio as gr
 
 from app import context, plots
 from app.replay import replay
+from jobs.storage import RunNotFound
 
 
 EMPTY = "Pick a run: its stored Gram matrices are re-solved here with the ρ, N and normalization above."
@@ -17,7 +18,10 @@ def render(run_id, rho: float, refresh_every: float | None, normalize: bool):
     if refresh_every is None or refresh_every != int(refresh_every):
         msg = f"N={refresh_every}: write a whole number of steps ≥ 1"
         return plots.empty_figure("Replay", msg), f"`{msg}`"
-    run = context.store().get_run(int(run_id))
+    try:
+        run = context.store().get_run(int(run_id))
+    except RunNotFound as e:  # deleted since the picker was filled
+        return plots.empty_figure("Replay", f"{e}: press Reload runs."), ""
     names = [r["name"] for r in run.config["rewards"]]
     rows = context.store().balance(int(run_id))
     try:
