@@ -84,3 +84,12 @@ def test_study_page_says_what_to_do_before_any_run_is_picked():
     table, summary, pareto, overlay, *_ = render([], None, None)
     assert table.iloc[0, 0] == EMPTY_HINT and list(summary.columns) == ["strategies"]
     assert EMPTY_HINT in pareto.layout.annotations[0].text and EMPTY_HINT in overlay.layout.annotations[0].text
+
+
+def test_a_run_deleted_since_the_picker_was_filled_is_left_out_of_the_study(store):
+    from app.pages.study import study_table
+
+    st, _ = store
+    kept = st.create_run(preset("tiny").to_dict(), strategy="marble", total_steps=3, name="kept")
+    df, points = study_table([kept, kept + 1])
+    assert list(df["run"]) == ["#%d kept" % kept] and [p["label"] for p in points] == ["#%d kept" % kept]

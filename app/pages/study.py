@@ -13,6 +13,7 @@ import pandas as pd
 
 from app import context, plots
 from core.evaluate import mean_pm_std
+from jobs.storage import RunNotFound
 
 WINDOW = 0.1  # share of a run's steps averaged for its start and end values
 
@@ -33,7 +34,10 @@ def study_table(run_ids: list[int]) -> tuple[pd.DataFrame, list[dict]]:
     store = context.store()
     rows, points = [], []
     for rid in run_ids:
-        run = store.get_run(rid)
+        try:
+            run = store.get_run(rid)
+        except RunNotFound:  # deleted since the picker was filled: left out
+            continue
         names = [r["name"] for r in run.config["rewards"]]
         series = store.metrics(rid, keys=[f"reward/{n}" for n in names] + [f"reward_std/{n}" for n in names],
                                max_points=2000).by_key()
