@@ -131,6 +131,11 @@ def resume(store: Store, run_id: int, *, steps: int | None = None, immediate: bo
     if steps is not None:
         from core.config import TrainConfig
 
+        ckpt = store.latest_checkpoint(run_id)
+        start = ckpt["step"] if ckpt else 0
+        if steps <= start:
+            raise ValueError(f"steps={steps}: run {run_id} resumes from its checkpoint at step {start}; "
+                             f"ask for more steps than that")
         config = TrainConfig.from_dict(store.get_run(run_id).config).with_overrides({"steps": steps}).to_dict()
     store.requeue(run_id, config=config, total_steps=steps)
     if immediate:

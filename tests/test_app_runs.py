@@ -54,3 +54,35 @@ def test_delete_refuses_a_queued_run_and_a_missing_pick(store):
     assert ask_delete(None)[0] == "Pick a run first."
     assert "does not exist" in ask_delete(queued + 1)[0]
     assert _log(queued + 1) == ""  # a run deleted in another tab: the log is empty, not an error every tick
+
+
+def test_resume_extends_a_finished_run_to_the_steps_asked(store, monkeypatch):
+    import jobs.runner
+    from app.pages.runs import act
+    from core.config import preset
+
+    started = []
+    monkeypatch.setattr(jobs.runner, "ensure_worker", lambda st: started.append(st))  # no training here
+    run_id = store.create_run(preset("tiny").with_overrides({"steps": 3}).to_dict(), strategy="marble",
+                              total_steps=3, name="done")
+    store.claim(run_id)
+    (store.run_dir(run_id) / "checkpoints" / "step_000003").mkdir(parents=True)
+    store.write_batch(run_id, _checkpoint_batch(3))
+    store.finish(run_id, s.SUCCEEDED)
+
+    assert "resume needs one of" in act("resume", run_id)  # finished at its configured 3 steps
+    assert act("resume", run_id, 3) == (f"Run #{run_id}: steps=3: run {run_id} resumes from its checkpoint at "
+                                       f"step 3; ask for more steps than that")
+    assert "steps=0" in act("resume", run_id, 0) and store.status(run_id) == s.SUCCEEDED and not started
+    assert act("resume", run_id, 5) == f"Run #{run_id} queued again; it continues from its last checkpoint up to step 5."
+    run = store.get_run(run_id)
+    assert (run.status, run.total_steps, run.config["steps"]) == (s.QUEUED, 5, 5) and len(started) == 1
+
+
+def _checkpoint_batch(step: int):
+    from jobs.storage import Batch
+
+    batch = Batch()
+    batch.run.update(step=step)
+    batch.checkpoints.append({"step": step, "path": f"checkpoints/step_{step:06d}", "created_at": 0.0})
+    return batch

@@ -27,8 +27,9 @@ def runs_table() -> pd.DataFrame:
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-def act(action: str, run_id: Any) -> str:
-    """Cancel / resume / delete; returns a message naming what happened or why not."""
+def act(action: str, run_id: Any, steps: float | None = None) -> str:
+    """Cancel / resume / delete; returns a message naming what happened or why not. ``steps`` (resume
+    only) extends the run to that many steps; blank resumes to the configured count."""
     from jobs import runner
     from jobs.storage import RunNotFound, TransitionError
 
@@ -41,9 +42,13 @@ def act(action: str, run_id: Any) -> str:
             status = runner.cancel(store, rid, wait=False)
             return f"Run #{rid}: cancel requested (now {status}); it stops at the next micro-batch."
         if action == "resume":
-            runner.resume(store, rid)
+            if steps is not None and steps != int(steps):
+                return f"Run #{rid}: steps={steps}: write a whole number of steps"
+            target = None if steps is None else int(steps)
+            runner.resume(store, rid, steps=target)
             runner.ensure_worker(store)
-            return f"Run #{rid} queued again; it continues from its last checkpoint."
+            to = "" if target is None else f" up to step {target}"
+            return f"Run #{rid} queued again; it continues from its last checkpoint{to}."
         if action == "delete":
             store.delete_run(rid)
             return f"Run #{rid} deleted with its folder."
@@ -109,6 +114,8 @@ def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dic
         pick = gr.Dropdown(choices=[], label="Run", elem_id="runs-pick", scale=3)
         cancel_btn = gr.Button("Cancel", elem_id="run-cancel", variant="stop", scale=1)
         resume_btn = gr.Button("Resume", elem_id="run-resume", scale=1)
+        resume_to = gr.Number(value=None, precision=0, label="Resume up to step (blank: as configured)",
+                              elem_id="run-resume-steps", scale=1)
         dup_btn = gr.Button("Duplicate with changes", elem_id="run-duplicate", scale=1)
         delete_btn = gr.Button("Delete", elem_id="run-delete", scale=1)
     with gr.Row():
@@ -131,8 +138,8 @@ def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dic
                 gr.update(choices=choices), log_text)
 
     timer.tick(on_tick, [last, pick], [last, table, pick, log], show_progress="hidden")
-    for btn, action in ((cancel_btn, "cancel"), (resume_btn, "resume")):
-        btn.click(lambda r, a=action: act(a, r), pick, message)
+    cancel_btn.click(lambda r: act("cancel", r), pick, message)
+    resume_btn.click(lambda r, n: act("resume", r, n), [pick, resume_to], message)
     delete_btn.click(ask_delete, pick, [message, confirm_btn, pending])
     confirm_btn.click(confirm_delete, [pending, pick], [message, confirm_btn, pending, pick])
     dup_outputs = [new_run["preset"], new_run["name"], *new_run["widgets"], *new_run["extras"]]
