@@ -17,3 +17,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def web_store(tmp_path, monkeypatch):
+    """The web app's one Store (app.context.store), opened on a fresh SQLite data directory for this test."""
+    from app import context
+
+    monkeypatch.setenv("MARBLE_HOME", str(tmp_path))
+    context.store.cache_clear()
+    yield context.store()
+    context.store().close()
+    context.store.cache_clear()

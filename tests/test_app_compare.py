@@ -4,16 +4,11 @@ follows a comparison from queued to done or failed."""
 import gradio as gr
 import pytest
 
-from app import context
 
 
 @pytest.fixture
-def store(tmp_path, monkeypatch):
-    monkeypatch.setenv("MARBLE_HOME", str(tmp_path))
-    context.store.cache_clear()
-    yield context.store()
-    context.store().close()
-    context.store.cache_clear()
+def store(web_store):
+    return web_store
 
 
 def done_result(tag: str, prompts=("a red circle", "a blue square"), columns=("base", "step 2")) -> dict:

@@ -4,7 +4,6 @@ following the picked run (written through the job's own EventWriter, as a traini
 import gradio as gr
 import pytest
 
-from app import context
 from jobs.writer import EventWriter
 from tests.jobs_support import REWARDS, balance_event, sample_event, start_event, step_event
 
@@ -12,12 +11,8 @@ OUTPUTS = ["cache", "header", "rewards", "alpha", "cosine", "conflict", "cos_ste
 
 
 @pytest.fixture
-def store(tmp_path, monkeypatch):
-    monkeypatch.setenv("MARBLE_HOME", str(tmp_path))
-    context.store.cache_clear()
-    yield context.store()
-    context.store().close()
-    context.store.cache_clear()
+def store(web_store):
+    return web_store
 
 
 def make_run(store, name: str, sample_steps: list[int], total: int = 10) -> tuple[int, EventWriter]:

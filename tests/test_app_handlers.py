@@ -166,15 +166,8 @@ def test_replay_page_says_what_to_do_and_refuses_a_blank_n():
         assert f"N={bad}: write a whole number of steps" in note and "N=" in fig.layout.annotations[0].text
 
 
-def test_replay_of_a_run_deleted_since_the_picker_was_filled_says_so(tmp_path, monkeypatch):
-    from app import context
+def test_replay_of_a_run_deleted_since_the_picker_was_filled_says_so(web_store):
     from app.pages.replay import render
 
-    monkeypatch.setenv("MARBLE_HOME", str(tmp_path))
-    context.store.cache_clear()
-    try:
-        fig, note = render(42, 0.7, 10, True)
-        assert "run 42 does not exist: press Reload runs." in fig.layout.annotations[0].text
-    finally:
-        context.store().close()
-        context.store.cache_clear()
+    fig, note = render(42, 0.7, 10, True)
+    assert "run 42 does not exist: press Reload runs." in fig.layout.annotations[0].text

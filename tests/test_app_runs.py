@@ -3,17 +3,12 @@ confirmation for the same run."""
 
 import pytest
 
-from app import context
 from jobs import schema as s
 
 
 @pytest.fixture
-def store(tmp_path, monkeypatch):
-    monkeypatch.setenv("MARBLE_HOME", str(tmp_path))
-    context.store.cache_clear()
-    yield context.store()
-    context.store().close()
-    context.store.cache_clear()
+def store(web_store):
+    return web_store
 
 
 def finished_run(store, name: str) -> int:

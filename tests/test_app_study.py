@@ -4,22 +4,17 @@ Study page's per-strategy summary gives mean ± std over each strategy's runs.""
 import pandas as pd
 import pytest
 
-from app import context
 from app.forms import config_form_values, form_fields
 from core.config import preset
 
 
 @pytest.fixture
-def store(tmp_path, monkeypatch):
-    monkeypatch.setenv("MARBLE_HOME", str(tmp_path))
-    context.store.cache_clear()
+def store(web_store, monkeypatch):
     import jobs.runner
 
     started = []
     monkeypatch.setattr(jobs.runner, "ensure_worker", lambda store: started.append(store))  # no training here
-    yield context.store(), started
-    context.store().close()
-    context.store.cache_clear()
+    return web_store, started
 
 
 def start(seeds, strategies=("marble", "weighted_sum")):
