@@ -68,7 +68,8 @@ def test_resume_extends_a_finished_run_to_the_steps_asked(store, monkeypatch):
     assert "resume needs one of" in act("resume", run_id)  # finished at its configured 3 steps
     assert act("resume", run_id, 3) == (f"Run #{run_id}: steps=3: run {run_id} resumes from its checkpoint at "
                                        f"step 3; ask for more steps than that")
-    assert "steps=0" in act("resume", run_id, 0) and store.status(run_id) == s.SUCCEEDED and not started
+    assert "steps=-1" in act("resume", run_id, -1) and store.status(run_id) == s.SUCCEEDED and not started
+    assert "resume needs one of" in act("resume", run_id, 0)  # the box's resting 0: as configured
     assert act("resume", run_id, 5) == f"Run #{run_id} queued again; it continues from its last checkpoint up to step 5."
     run = store.get_run(run_id)
     assert (run.status, run.total_steps, run.config["steps"]) == (s.QUEUED, 5, 5) and len(started) == 1

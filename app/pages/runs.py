@@ -29,7 +29,7 @@ def runs_table() -> pd.DataFrame:
 
 def act(action: str, run_id: Any, steps: float | None = None) -> str:
     """Cancel / resume / delete; returns a message naming what happened or why not. ``steps`` (resume
-    only) extends the run to that many steps; blank resumes to the configured count."""
+    only) extends the run to that many steps; 0 or blank resumes to the configured count."""
     from jobs import runner
     from jobs.storage import RunNotFound, TransitionError
 
@@ -44,7 +44,7 @@ def act(action: str, run_id: Any, steps: float | None = None) -> str:
         if action == "resume":
             if steps is not None and steps != int(steps):
                 return f"Run #{rid}: steps={steps}: write a whole number of steps"
-            target = None if steps is None else int(steps)
+            target = int(steps) if steps else None  # 0 (the box's resting value) or blank: as configured
             runner.resume(store, rid, steps=target)
             runner.ensure_worker(store)
             to = "" if target is None else f" up to step {target}"
@@ -114,7 +114,7 @@ def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dic
         pick = gr.Dropdown(choices=[], label="Run", elem_id="runs-pick", scale=3)
         cancel_btn = gr.Button("Cancel", elem_id="run-cancel", variant="stop", scale=1)
         resume_btn = gr.Button("Resume", elem_id="run-resume", scale=1)
-        resume_to = gr.Number(value=None, precision=0, label="Resume up to step (blank: as configured)",
+        resume_to = gr.Number(value=0, precision=0, label="Resume up to step (0: as configured)",
                               elem_id="run-resume-steps", scale=1)
         dup_btn = gr.Button("Duplicate with changes", elem_id="run-duplicate", scale=1)
         delete_btn = gr.Button("Delete", elem_id="run-delete", scale=1)
