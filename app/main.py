@@ -32,6 +32,10 @@ def build_app() -> gr.Blocks:
                 rep = replay.build()
         # Fill the run pickers once the page loads (and after each reload button).
         demo.load(dash["load_choices"], None, dash["run"])
+        # a run started from New run is in the Dashboard's picker at once, picked ("Open it in Dashboard")
+        for started in new["started"]:
+            started.then(lambda error, current: dashboard.follow_new_runs(not error, current),
+                         [new["error"], dash["run"]], dash["run"])
         demo.load(lambda: gr.update(choices=compare.entry_choices()), None, comp["entries"])
         from app import context
 

@@ -82,7 +82,7 @@ def test_empty_states_say_what_is_missing(store):
     from app.pages.dashboard import select_run
 
     out = shown(select_run(None, 0.6))
-    assert out["header"] == "Pick a run." and out["gallery"] == []
+    assert out["header"].startswith("Pick a run.") and "New run" in out["header"] and out["gallery"] == []
     for key in ("rewards", "alpha", "cosine", "conflict", "spec"):
         assert "No run selected." in out[key].layout.annotations[0].text
     run_id = store.create_run({"rewards": [{"name": n} for n in REWARDS]}, strategy="marble", total_steps=5)
@@ -106,3 +106,16 @@ def test_a_run_deleted_while_shown_gets_a_message_once_not_an_error_every_tick(s
     again = tick(run_id, out["cache"], 0.6, 0)
     assert all(x == gr.skip() for x in again[1:])  # said once; later ticks send nothing
     assert shown(select_run(run_id, 0.6))["header"].startswith(f"Run #{run_id} no longer exists")
+
+
+def test_the_run_picker_follows_new_runs_only_when_asked(store):
+    from app.pages.dashboard import follow_new_runs
+
+    assert follow_new_runs(True, None) == {"__type__": "update", "choices": [], "value": None}
+    old = store.create_run({}, strategy="marble", total_steps=3, name="old")
+    new = store.create_run({}, strategy="marble", total_steps=3, name="new")
+    started = follow_new_runs(True, old)  # a run was just started: it is picked
+    assert started["value"] == new and [rid for _, rid in started["choices"]] == [new, old]
+    refused = follow_new_runs(False, old)  # the form refused the start: the current pick stays
+    assert refused["value"] == old and len(refused["choices"]) == 2
+    assert follow_new_runs(False, old + 100)["value"] is None  # a pick that no longer exists is dropped

@@ -13,6 +13,7 @@ from jobs.storage import RunNotFound
 
 MAX_POINTS = 600  # per metric key (~1 point per 2 px of a wide plot): beyond, the series is re-read down-sampled
 REFRESH_SECONDS = 2.0
+PICK = "Pick a run. Runs appear here as soon as they are queued (start one in New run, then Reload runs)."
 
 
 # ---- incremental cache ----------------------------------------------------------------------------
@@ -128,7 +129,7 @@ def select_run(run_id: int | None, smoothing: float) -> tuple[Any, ...]:
     """Everything the dashboard shows for a newly picked run (or the empty state for none), in the order of
     its outputs: cache, header, the four plots, the cosine slider, sample step, gallery, specialist plot."""
     if run_id is None:
-        return _empty_state("Pick a run.", "No run selected.")
+        return _empty_state(PICK, "No run selected.")
     try:
         cache, _ = refresh_cache(None, int(run_id))
         figs = figures(cache, reward_names(int(run_id)), smoothing, None)
@@ -167,7 +168,7 @@ def build(timer: gr.Timer) -> dict:
         run_box = gr.Dropdown(choices=[], label="Run", elem_id="dash-run", scale=3)
         smoothing = gr.Slider(0, 0.98, value=0.6, step=0.02, label="Reward smoothing", scale=2)
         reload_btn = gr.Button("Reload runs", scale=1, elem_id="dash-reload")
-    head = gr.Markdown("Pick a run. Runs appear here as soon as they are queued.", elem_id="dash-header")
+    head = gr.Markdown(PICK, elem_id="dash-header")
     reward_plot = gr.Plot(label="Rewards", elem_id="plot-rewards")
     alpha_plot = gr.Plot(label="α", elem_id="plot-alpha")
     with gr.Row():
@@ -182,8 +183,7 @@ def build(timer: gr.Timer) -> dict:
                          elem_id="gallery")
 
     def load_choices():
-        choices = context.run_choices()
-        return gr.update(choices=choices, value=choices[0][1] if choices else None)
+        return follow_new_runs(True, None)
 
     def on_cos(run_id, cache_state, idx):
         if run_id is None or not cache_state or not cache_state.get("balance"):
@@ -207,3 +207,12 @@ def build(timer: gr.Timer) -> dict:
     sample_step.input(lambda r, s: gallery_items(int(r), s) if r is not None else ([], gr.skip()),
                       [run_box, sample_step], [gallery, spec_plot])
     return {"run": run_box, "load_choices": load_choices}
+
+
+def follow_new_runs(select_newest: bool, current: Any) -> Any:
+    """The run picker's update: every run as a choice; the newest picked when ``select_newest`` (page load,
+    a run just started from New run), else the current pick kept."""
+    choices = context.run_choices()
+    ids = [rid for _, rid in choices]
+    value = (ids[0] if ids else None) if select_newest else (current if current in ids else None)
+    return gr.update(choices=choices, value=value)
