@@ -272,6 +272,10 @@ def test_delete_asks_before_it_removes_a_run(page, server):
     page.wait_for_function("() => document.querySelector('#runs-table').innerText.includes('other seed')",
                            timeout=30_000)
     pick(page, "runs-pick", "other seed")
+    # the picked run's log opens at its newest line (a finished run's log never changes: only the pick scrolls)
+    page.wait_for_function("() => { const t = document.querySelector('#run-log textarea');"
+                           " return t && t.scrollHeight > t.clientHeight"
+                           " && t.scrollTop + t.clientHeight >= t.scrollHeight - 2; }", timeout=20_000)
     page.locator("#run-delete").click()
     page.locator("#runs-message").get_by_text("cannot be undone").wait_for(timeout=20_000)
     with Store.open(server["home"]) as store:

@@ -13,6 +13,8 @@ import pandas as pd
 from app import context
 from app.forms import FormField, config_form_values
 
+# A newly picked run's log opens at its newest line (the textbox's own autoscroll follows only later changes).
+SCROLL_LOG_TO_END = "() => { const t = document.querySelector('#run-log textarea'); if (t) t.scrollTop = t.scrollHeight; }"
 COLUMNS = ["id", "name", "status", "progress", "ETA", "strategy", "rewards (latest mean)", "created"]
 
 
@@ -147,5 +149,5 @@ def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dic
         dup_outputs), pick, dup_outputs).then(lambda: gr.Tabs(selected=new_tab_id), None, tabs)
     # another pick withdraws a pending delete
     pick.change(lambda r: (_log(r) if r is not None else "", gr.update(visible=False), None), pick,
-                [log, confirm_btn, pending])
+                [log, confirm_btn, pending]).then(None, None, None, js=SCROLL_LOG_TO_END)
     return {"pick": pick}
