@@ -140,11 +140,15 @@ def select_run(run_id: int | None, smoothing: float) -> tuple[Any, ...]:
         return _gone(int(run_id))
 
 
-def tick(run_id: int | None, cache: dict | None, smoothing: float, cos_index: int) -> tuple[Any, ...]:
-    """A timer tick: only what changed since the last one (same order as ``select_run``)."""
+def tick(cache: dict | None, smoothing: float) -> tuple[Any, ...]:
+    """A timer tick: only what changed since the last one (same order as ``select_run``). The run and the
+    cosine step come from the cache, not from the picker and the slider: a tick that took them as inputs
+    raced their updates (Gradio checked the new value against the old choices / maximum and raised)."""
     skip = gr.skip()
-    if run_id is None or (cache or {}).get("gone") == int(run_id):
+    run_id = (cache or {}).get("run_id")
+    if run_id is None:  # nothing picked, or the picked run was deleted (already said)
         return (cache, *[skip] * 9)
+    cos_index = cache.get("cos_index", 0)
     try:
         cache, changed = refresh_cache(cache, int(run_id))
         head = header(int(run_id))
@@ -190,6 +194,7 @@ def build(timer: gr.Timer) -> dict:
             return cache_state, gr.skip()
         rows = cache_state["balance"]
         cache_state["cos_follow"] = int(idx) >= len(rows) - 1  # back at the right end: follow again
+        cache_state["cos_index"] = int(idx)
         return cache_state, plots.cosine_heatmap(rows[min(int(idx), len(rows) - 1)])
 
     def on_smooth(run_id, cache_state, smooth):
@@ -200,7 +205,7 @@ def build(timer: gr.Timer) -> dict:
     outs = [cache, head, reward_plot, alpha_plot, cos_plot, conflict_plot, cos_step, sample_step, gallery, spec_plot]
     reload_btn.click(load_choices, None, run_box)
     run_box.change(select_run, [run_box, smoothing], outs)
-    timer.tick(tick, [run_box, cache, smoothing, cos_step], outs, show_progress="hidden")
+    timer.tick(tick, [cache, smoothing], outs, show_progress="hidden")
     cos_step.release(on_cos, [run_box, cache, cos_step], [cache, cos_plot])
     smoothing.release(on_smooth, [run_box, cache, smoothing], reward_plot)
     # the user's choice of step only: a new run or new samples fill the gallery themselves (sample_view)

@@ -139,7 +139,10 @@ def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dic
                                                        columns=COLUMNS),
                 gr.update(choices=choices), log_text)
 
-    timer.tick(on_tick, [last, pick], [last, table, pick, log], show_progress="hidden")
+    # the tick reads the pick from a State: a dropdown input is checked against its choices, and a tick
+    # racing a choices update (a run just deleted) raised "not in the list of choices"
+    picked = gr.State(None)
+    timer.tick(on_tick, [last, picked], [last, table, pick, log], show_progress="hidden")
     cancel_btn.click(lambda r: act("cancel", r), pick, message)
     resume_btn.click(lambda r, n: act("resume", r, n), [pick, resume_to], message)
     delete_btn.click(ask_delete, pick, [message, confirm_btn, pending])
@@ -148,6 +151,6 @@ def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dic
     dup_btn.click(lambda r: duplicate_values(r, new_run["fields"]) if r is not None else [gr.skip()] * len(
         dup_outputs), pick, dup_outputs).then(lambda: gr.Tabs(selected=new_tab_id), None, tabs)
     # another pick withdraws a pending delete
-    pick.change(lambda r: (_log(r) if r is not None else "", gr.update(visible=False), None), pick,
-                [log, confirm_btn, pending]).then(None, None, None, js=SCROLL_LOG_TO_END)
+    pick.change(lambda r: (_log(r) if r is not None else "", gr.update(visible=False), None, r), pick,
+                [log, confirm_btn, pending, picked]).then(None, None, None, js=SCROLL_LOG_TO_END)
     return {"pick": pick}
