@@ -132,10 +132,7 @@ def select_run(run_id: int | None, smoothing: float) -> tuple[Any, ...]:
         return _empty_state(PICK, "No run selected.")
     try:
         cache, _ = refresh_cache(None, int(run_id))
-        figs = figures(cache, reward_names(int(run_id)), smoothing, None)
-        n = len(cache["balance"])
-        return (cache, header(int(run_id)), *figs, gr.update(maximum=max(n - 1, 1), value=max(n - 1, 0)),
-                *sample_view(cache, int(run_id)))
+        return _render(cache, int(run_id), smoothing)
     except RunNotFound:
         return _gone(int(run_id))
 
@@ -148,20 +145,23 @@ def tick(cache: dict | None, smoothing: float) -> tuple[Any, ...]:
     run_id = (cache or {}).get("run_id")
     if run_id is None:  # nothing picked, or the picked run was deleted (already said)
         return (cache, *[skip] * 9)
-    cos_index = cache.get("cos_index", 0)
     try:
         cache, changed = refresh_cache(cache, int(run_id))
-        head = header(int(run_id))
         if not changed:
-            return (cache, head, *[skip] * 8)
-        n = len(cache["balance"])
-        at_end = cache.get("cos_follow", True)  # follow the newest step unless the user moved away
-        figs = figures(cache, reward_names(int(run_id)), smoothing, None if at_end else int(cos_index))
-        slider = (gr.update(maximum=max(n - 1, 1), value=max(n - 1, 0)) if at_end
-                  else gr.update(maximum=max(n - 1, 1)))
-        return (cache, head, *figs, slider, *sample_view(cache, int(run_id)))
+            return (cache, header(int(run_id)), *[skip] * 8)
+        return _render(cache, int(run_id), smoothing)
     except RunNotFound:  # deleted from the Runs page (or another tab) while shown here
         return _gone(int(run_id))
+
+
+def _render(cache: dict, run_id: int, smoothing: float) -> tuple[Any, ...]:
+    """Everything shown for the cached run (order of ``select_run``). The cosine heatmap and its slider
+    follow the newest diagnosed step unless the user moved the slider away (``on_cos`` records it)."""
+    n = len(cache["balance"])
+    at_end = cache.get("cos_follow", True)
+    figs = figures(cache, reward_names(run_id), smoothing, None if at_end else cache.get("cos_index", 0))
+    slider = gr.update(maximum=max(n - 1, 1), value=max(n - 1, 0)) if at_end else gr.update(maximum=max(n - 1, 1))
+    return (cache, header(run_id), *figs, slider, *sample_view(cache, run_id))
 
 
 # ---- layout --------------------------------------------------------------------------------------

@@ -138,10 +138,12 @@ def build() -> dict:
 
     extras = [reward_box, weights_box, stages_box, single_box, source_box]
     preset_box.input(lambda p: preset_values(p, fields), preset_box, widgets + extras)
-    started = start_btn.click(lambda p, n, r, w, st, si, so, *vals: start(p, n, r, w, st, si, so, fields, list(vals)),
-                              [preset_box, name_box, *extras, *widgets], [error, status])
-    study_started = study_btn.click(lambda p, n, r, w, st, si, so, strats, seeds, *vals: start_study(p, n, r, w, st, si, so, strats,
-                                                                                      seeds, fields, list(vals)),
-                    [preset_box, name_box, *extras, study_strats, study_seeds, *widgets], [error, status])
+    started = start_btn.click(
+        lambda p, n, r, w, st, si, so, *vals: start(p, n, r, w, st, si, so, fields, list(vals)),
+        [preset_box, name_box, *extras, *widgets], [error, status])
+    study_started = study_btn.click(
+        lambda p, n, r, w, st, si, so, strats, seeds, *vals: start_study(p, n, r, w, st, si, so, strats, seeds,
+                                                                         fields, list(vals)),
+        [preset_box, name_box, *extras, study_strats, study_seeds, *widgets], [error, status])
     return {"preset": preset_box, "widgets": widgets, "fields": fields, "extras": extras, "name": name_box,
             "started": [started, study_started], "error": error}

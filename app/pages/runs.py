@@ -12,6 +12,7 @@ import pandas as pd
 
 from app import context
 from app.forms import FormField, config_form_values
+from jobs.storage import RunNotFound, TransitionError
 
 # A newly picked run's log opens at its newest line (the textbox's own autoscroll follows only later changes).
 SCROLL_LOG_TO_END = "() => { const t = document.querySelector('#run-log textarea'); if (t) t.scrollTop = t.scrollHeight; }"
@@ -33,7 +34,6 @@ def act(action: str, run_id: Any, steps: float | None = None) -> str:
     """Cancel / resume / delete; returns a message naming what happened or why not. ``steps`` (resume
     only) extends the run to that many steps; 0 or blank resumes to the configured count."""
     from jobs import runner
-    from jobs.storage import RunNotFound, TransitionError
 
     if run_id is None:
         return "Pick a run first."
@@ -63,7 +63,6 @@ def ask_delete(run_id: Any) -> tuple[str, Any, Any]:
     """Delete's first click: (message, confirm button, pending run). Nothing is deleted until the confirm
     button is pressed for the same run; a run that is still queued or running is refused at once."""
     from jobs import schema as s
-    from jobs.storage import RunNotFound
 
     hidden = gr.update(visible=False)
     if run_id is None:
@@ -86,8 +85,9 @@ def confirm_delete(pending: Any, run_id: Any) -> tuple[str, Any, Any, Any]:
     if pending is None or run_id is None or int(pending) != int(run_id):
         return "Nothing deleted: the picked run changed. Press Delete again.", hidden, None, gr.skip()
     message = act("delete", pending)
-    deleted = message.endswith("deleted with its folder.")
-    return message, hidden, None, gr.update(choices=context.run_choices(), value=None) if deleted else gr.skip()
+    choices = context.run_choices()
+    deleted = all(rid != int(pending) for _, rid in choices)
+    return message, hidden, None, gr.update(choices=choices, value=None) if deleted else gr.skip()
 
 
 def duplicate_values(run_id: Any, fields: list[FormField]) -> list[Any]:
@@ -101,8 +101,6 @@ def duplicate_values(run_id: Any, fields: list[FormField]) -> list[Any]:
 
 def _log(run_id: Any) -> str:
     """The job log's last 60 lines; a run deleted meanwhile (here or in another tab) has none."""
-    from jobs.storage import RunNotFound
-
     try:
         return context.store().log_tail(int(run_id), 60)
     except RunNotFound:
