@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from core import limits
+
 SAMPLER_SIGMAS = ("scheduler",)
 STD_MODES = ("global", "group")
 REFRESH_SCOPES = ("first_microbatch", "step")
@@ -38,7 +40,10 @@ class ConfigError(ValueError):
         self.field = field_name
         self.value = value
         self.rule = rule
-        super().__init__(f"{field_name}={value!r}: {rule}")
+        shown = repr(value)
+        if len(shown) > 120:  # a megabyte value must not become a megabyte message
+            shown = f"{shown[:100]}... ({len(shown)} characters)"
+        super().__init__(f"{field_name}={shown}: {rule}")
 
 
 def _require(ok: bool, field_name: str, value: Any, rule: str) -> None:
@@ -78,11 +83,11 @@ class ModelConfig:
     def validate(self, prefix: str = "model") -> None:
         _require(isinstance(self.name, str) and self.name.strip() != "", f"{prefix}.name", self.name,
                  "must be a model name, a local folder or a cached Hugging Face repo id")
-        _require(_is_int(self.lora_rank) and self.lora_rank >= 1, f"{prefix}.lora_rank", self.lora_rank,
-                 "must be an integer >= 1")
+        _require(_is_int(self.lora_rank) and 1 <= self.lora_rank <= limits.MAX_LORA_RANK, f"{prefix}.lora_rank",
+                 self.lora_rank, f"must be an integer in [1, {limits.MAX_LORA_RANK}]")
         _require(_is_number(self.lora_alpha) and self.lora_alpha > 0, f"{prefix}.lora_alpha",
                  self.lora_alpha, "must be a number > 0")
-        _require(isinstance(self.lora_targets, list) and len(self.lora_targets) > 0
+        _require(isinstance(self.lora_targets, list) and 0 < len(self.lora_targets) <= limits.MAX_LORA_TARGETS
                  and all(isinstance(t, str) and t for t in self.lora_targets),
                  f"{prefix}.lora_targets", self.lora_targets, "must be a non-empty list of module names")
         _require(self.dtype in DTYPES, f"{prefix}.dtype", self.dtype, f"valid choices: {', '.join(DTYPES)}")
@@ -105,7 +110,7 @@ class PromptConfig:
     """Which split of each source to draw from: "train" or "test"."""
 
     def validate(self, prefix: str = "prompts") -> None:
-        _require(isinstance(self.sources, list) and len(self.sources) > 0
+        _require(isinstance(self.sources, list) and 0 < len(self.sources) <= limits.MAX_SOURCES
                  and all(isinstance(s, str) and s for s in self.sources),
                  f"{prefix}.sources", self.sources, "must be a non-empty list of prompt source names")
         _require(len(set(self.sources)) == len(self.sources), f"{prefix}.sources", self.sources,
@@ -148,17 +153,23 @@ class SamplingConfig:
                  self.num_steps, "must be an integer in [2, 1000]")
         _require(_is_number(self.guidance_scale) and self.guidance_scale >= 1.0, f"{prefix}.guidance_scale",
                  self.guidance_scale, "must be a number >= 1.0 (1.0 = no guidance)")
-        _require(_is_int(self.resolution) and self.resolution >= 16 and self.resolution % 16 == 0,
-                 f"{prefix}.resolution", self.resolution, "must be a multiple of 16, at least 16")
-        _require(_is_int(self.prompts_per_step) and self.prompts_per_step >= 1, f"{prefix}.prompts_per_step",
-                 self.prompts_per_step, "must be an integer >= 1")
-        _require(_is_int(self.images_per_prompt) and self.images_per_prompt >= 2,
+        _require(_is_int(self.resolution) and 16 <= self.resolution <= limits.MAX_RESOLUTION
+                 and self.resolution % 16 == 0, f"{prefix}.resolution", self.resolution,
+                 f"must be a multiple of 16 in [16, {limits.MAX_RESOLUTION}]")
+        _require(_is_int(self.prompts_per_step) and 1 <= self.prompts_per_step <= limits.MAX_PROMPTS_PER_STEP,
+                 f"{prefix}.prompts_per_step", self.prompts_per_step,
+                 f"must be an integer in [1, {limits.MAX_PROMPTS_PER_STEP}]")
+        _require(_is_int(self.images_per_prompt) and 2 <= self.images_per_prompt <= limits.MAX_IMAGES_PER_PROMPT,
                  f"{prefix}.images_per_prompt", self.images_per_prompt,
-                 "must be an integer >= 2 (a group of one has no advantage)")
+                 f"must be an integer in [2, {limits.MAX_IMAGES_PER_PROMPT}] (a group of one has no advantage)")
+        _require(self.batch_size <= limits.MAX_BATCH, f"{prefix}.prompts_per_step", self.prompts_per_step,
+                 f"prompts_per_step x images_per_prompt = {self.batch_size} images a step; the limit is "
+                 f"{limits.MAX_BATCH}")
         _require(_is_int(self.max_sequence_length) and 1 <= self.max_sequence_length <= 512,
                  f"{prefix}.max_sequence_length", self.max_sequence_length, "must be an integer in [1, 512]")
-        _require(_is_int(self.rollout_batch_size) and self.rollout_batch_size >= 0, f"{prefix}.rollout_batch_size",
-                 self.rollout_batch_size, "must be an integer >= 0 (0 = the whole batch at once)")
+        _require(_is_int(self.rollout_batch_size) and 0 <= self.rollout_batch_size <= limits.MAX_BATCH,
+                 f"{prefix}.rollout_batch_size", self.rollout_batch_size,
+                 f"must be an integer in [0, {limits.MAX_BATCH}] (0 = the whole batch at once)")
 
 
 @dataclass
@@ -188,8 +199,9 @@ class NFTConfig:
                  "must be a number >= 0")
         _require(_is_number(self.timestep_fraction) and 0 < self.timestep_fraction <= 1,
                  f"{prefix}.timestep_fraction", self.timestep_fraction, "must be a number in (0, 1]")
-        _require(_is_int(self.micro_batch_size) and self.micro_batch_size >= 1, f"{prefix}.micro_batch_size",
-                 self.micro_batch_size, "must be an integer >= 1")
+        _require(_is_int(self.micro_batch_size) and 1 <= self.micro_batch_size <= limits.MAX_MICRO_BATCH,
+                 f"{prefix}.micro_batch_size", self.micro_batch_size,
+                 f"must be an integer in [1, {limits.MAX_MICRO_BATCH}]")
         _require(_is_number(self.old_decay_rate) and self.old_decay_rate >= 0, f"{prefix}.old_decay_rate",
                  self.old_decay_rate, "must be a number >= 0")
         _require(_is_number(self.old_decay_max) and 0 <= self.old_decay_max < 1, f"{prefix}.old_decay_max",
@@ -358,8 +370,8 @@ class TrainConfig:
         self.prompts.validate()
         self.sampling.validate()
         self.nft.validate()
-        _require(isinstance(self.rewards, list) and len(self.rewards) >= 1, "rewards", self.rewards,
-                 "needs at least one reward")
+        _require(isinstance(self.rewards, list) and 1 <= len(self.rewards) <= limits.MAX_REWARDS, "rewards",
+                 self.rewards, f"needs between 1 and {limits.MAX_REWARDS} rewards")
         for i, r in enumerate(self.rewards):
             r.validate(f"rewards[{i}]")
         names = self.reward_names
@@ -371,14 +383,16 @@ class TrainConfig:
         self.balance.validate(names)
         self.advantage.validate()
         self.optim.validate()
-        _require(_is_int(self.steps) and self.steps >= 1, "steps", self.steps, "must be an integer >= 1")
-        _require(_is_int(self.seed) and self.seed >= 0, "seed", self.seed, "must be an integer >= 0")
+        _require(_is_int(self.steps) and 1 <= self.steps <= limits.MAX_STEPS, "steps", self.steps,
+                 f"must be an integer in [1, {limits.MAX_STEPS}]")
+        _require(_is_int(self.seed) and 0 <= self.seed <= limits.MAX_SEED, "seed", self.seed,
+                 "must be an integer in [0, 2**63 - 1]")
         _require(_is_int(self.checkpoint_every) and self.checkpoint_every >= 0, "checkpoint_every",
                  self.checkpoint_every, "must be an integer >= 0")
         _require(_is_int(self.sample_every) and self.sample_every >= 0, "sample_every", self.sample_every,
                  "must be an integer >= 0")
-        _require(_is_int(self.num_threads) and self.num_threads >= 0, "num_threads", self.num_threads,
-                 "must be an integer >= 0")
+        _require(_is_int(self.num_threads) and 0 <= self.num_threads <= limits.MAX_THREADS, "num_threads",
+                 self.num_threads, f"must be an integer in [0, {limits.MAX_THREADS}] (0 = torch's default)")
 
     # ---- serialization -------------------------------------------------------------------------
     def to_dict(self) -> dict:
