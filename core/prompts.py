@@ -7,12 +7,15 @@ its prompts stratified across the configured sources (spec §8: 16/16/16 across 
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+
+from core.limits import MAX_PROMPT_FILE_BYTES, check_prompt
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,10 @@ def validate_source_name(name: str) -> str | None:
             return f"prompt file {str(path)!r} does not exist"
         if path.suffix not in (".txt", ".jsonl"):
             return f"prompt file {str(path)!r} must end in .txt (one prompt a line) or .jsonl"
+        try:  # read it now, so a bad line is refused before a run is queued, not at its first step
+            _read_items_cached(path)
+        except ValueError as e:
+            return str(e)
         return None
     if name not in _SOURCES:
         return f"valid choices: {', '.join(_SOURCES)} or file:PATH(.txt|.jsonl|folder)"
@@ -115,24 +122,61 @@ def _load_folder(folder: Path, name: str) -> PromptSource:
     return PromptSource(name, f"prompts from {folder}", train, test)
 
 
+def _read_text(path: Path) -> str:
+    """A prompt file's text: bounded in size, UTF-8, errors naming the file."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_PROMPT_FILE_BYTES:
+            raise ValueError(f"prompt file {str(path)!r} is {size / 2**20:.1f} MiB; the limit is "
+                             f"{MAX_PROMPT_FILE_BYTES // 2**20} MiB")
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"prompt file {str(path)!r} cannot be read ({e.strerror or e})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"prompt file {str(path)!r} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                         f"{e.start}); save it as UTF-8") from None
+
+
+@functools.lru_cache(maxsize=32)
+def _read_items_key(path: str, mtime_ns: int, size: int) -> tuple[list[PromptItem], list[str | None]]:
+    return _read_items(Path(path), "check")
+
+
+def _read_items_cached(path: Path) -> None:
+    """Parse a prompt file once per version (config validation runs often)."""
+    st = path.stat()
+    _read_items_key(str(path.resolve()), st.st_mtime_ns, st.st_size)
+
+
 def _read_items(path: Path, name: str) -> tuple[list[PromptItem], list[str | None]]:
     """The prompts of a .txt / .jsonl file and each one's explicit "split" (None when absent)."""
     items: list[PromptItem] = []
     explicit: list[str | None] = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
+        where = f"{path}:{lineno}"
         if path.suffix == ".jsonl":
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise ValueError(f"{where}: not valid JSON ({e})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{where}: a line must be a JSON object with a \"prompt\" key, not a "
+                                 f"{type(obj).__name__}")
             text = obj.pop("prompt", obj.pop("text", None))
             if not isinstance(text, str) or not text.strip():
-                raise ValueError(f"{path}:{lineno}: needs a non-empty \"prompt\" string")
-            explicit.append(obj.pop("split", None))
+                raise ValueError(f"{where}: needs a non-empty \"prompt\" string")
+            split = obj.pop("split", None)
+            if split not in (None, "train", "test"):
+                raise ValueError(f"{where}: split={split!r}: valid choices: train, test (or no split key)")
+            check_prompt(text.strip(), where)
+            explicit.append(split)
             items.append(PromptItem(text.strip(), {"source": name, **obj}))
         else:
+            check_prompt(line.strip(), where)
             explicit.append(None)
             items.append(PromptItem(line.strip(), {"source": name}))
     if not items:
