@@ -25,7 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-sequence-length", type=int, default=77)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args(argv)
+    try:
+        out = _check_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
+    from core.config import ConfigError
     from core.models import ModelNotFoundError, load_lora, load_pipeline, resolve_device
     from core.sampling import generate_images, to_pil
 
@@ -37,17 +43,43 @@ def main(argv: list[str] | None = None) -> int:
                 raise FileNotFoundError(f"--lora {str(lora)!r} holds no pytorch_lora_weights.safetensors; pass a "
                                         f"checkpoint folder such as RUN/checkpoints/step_000010")
             load_lora(pipe, lora)
-    except (ModelNotFoundError, FileNotFoundError) as e:
+    except (ModelNotFoundError, FileNotFoundError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     images = generate_images(pipe, [args.prompt], [args.seed], args.steps, args.guidance, args.resolution,
                              args.max_sequence_length)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    to_pil(images)[0].save(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        to_pil(images)[0].save(out)
+    except OSError as e:
+        print(f"error: --out={str(out)!r}: cannot write the image ({e.strerror or e})", file=sys.stderr)
+        return 2
     print(f"wrote {out}")
     return 0
 
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+
+
+def _check_args(args: argparse.Namespace) -> Path:
+    """Every argument checked before the model loads (same bounds as a training config's sampling)."""
+    from core import limits
+    from core.cli_checks import UsageError, int_in, number_in, writable_file
+
+    int_in("--steps", args.steps, 1, 1000)
+    number_in("--guidance", args.guidance, 1.0, 100.0)
+    int_in("--resolution", args.resolution, 16, limits.MAX_RESOLUTION)
+    if args.resolution % 16:
+        raise UsageError(f"--resolution={args.resolution}: must be a multiple of 16 (VAE factor x patch size)")
+    int_in("--max-sequence-length", args.max_sequence_length, 1, 512)
+    int_in("--seed", args.seed, 0, limits.MAX_SEED)
+    if not args.prompt.strip():
+        raise UsageError("--prompt='': must not be empty")
+    limits.check_prompt(args.prompt, "--prompt")
+    if args.lora and not Path(args.lora).is_dir():
+        raise UsageError(f"--lora={args.lora!r}: is not a folder; pass a checkpoint folder such as "
+                         f"RUN/checkpoints/step_000010")
+    return writable_file("--out", Path(args.out), IMAGE_SUFFIXES)
 
 if __name__ == "__main__":
     sys.exit(main())
