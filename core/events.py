@@ -93,6 +93,14 @@ class CheckpointEvent(Event):
 
 
 @dataclass
+class NoticeEvent(Event):
+    """Something the user should know that is not a failure, e.g. a damaged checkpoint skipped on resume."""
+    kind: ClassVar[str] = "notice"
+    step: int
+    message: str
+
+
+@dataclass
 class EndEvent(Event):
     kind: ClassVar[str] = "end"
     step: int

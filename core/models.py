@@ -121,7 +121,7 @@ def load_mini_world():
         raise ModelNotFoundError(f"the mini-world model folder {str(MINI_WORLD_DIR)!r} is missing; restore it "
                                  f"from git or rebuild it with `python -m core.pretrain --out {MINI_WORLD_DIR}`")
     return StableDiffusion3Pipeline.from_pretrained(MINI_WORLD_DIR, local_files_only=True, text_encoder_3=None,
-                                                    tokenizer_3=None)
+                                                    tokenizer_3=None, use_safetensors=True)
 
 
 # ---- loading ---------------------------------------------------------------------------------------
@@ -168,8 +168,9 @@ def load_pipeline(name: str, dtype: str = "float32", device: str = "cpu"):
         path = resolve_model_path(name)
         index = json.loads((path / "model_index.json").read_text())
         missing = {c: None for c in _OPTIONAL_COMPONENTS if c not in index or index[c] in (None, [None, None])}
+        # use_safetensors: a model folder is user-reachable; its pickled .bin weights are never loaded
         pipe = StableDiffusion3Pipeline.from_pretrained(path, local_files_only=True, torch_dtype=DTYPES[dtype],
-                                                        **missing)
+                                                        use_safetensors=True, **missing)
     pipe.to(device)
     if dtype != "float32":
         pipe.to(DTYPES[dtype])
@@ -186,12 +187,24 @@ def load_lora(pipe, directory: str | Path) -> None:
 
     Our adapters are transformer-only, so they go straight into the transformer: ``load_lora_weights``
     would also try both text encoders and log a "No LoRA keys associated to ..." warning for each. A file
-    that does carry text-encoder LoRA (someone else's) takes the full diffusers path."""
-    state, metadata = pipe.lora_state_dict(str(directory), return_lora_metadata=True)
+    that does carry text-encoder LoRA (someone else's) takes the full diffusers path.
+
+    Only the safetensors file is read (never a pickled ``.bin``). A folder with a manifest (every checkpoint
+    this program writes) is checked against it first: a damaged file raises CheckpointError naming it."""
+    from core.checkpoint import LORA_FILE, MANIFEST_FILE, CheckpointError, verify
+
+    directory = Path(directory)
+    if (directory / MANIFEST_FILE).exists():
+        verify(directory)
+    if not (directory / LORA_FILE).is_file():
+        raise CheckpointError(f"{str(directory)!r} holds no {LORA_FILE} (LoRA weights are read only from "
+                              f"safetensors; pass a checkpoint folder such as RUN/checkpoints/step_000010)")
+    state, metadata = pipe.lora_state_dict(str(directory), weight_name=LORA_FILE, use_safetensors=True,
+                                           return_lora_metadata=True)
     if all(k.startswith(f"{pipe.transformer_name}.") for k in state):
         pipe.load_lora_into_transformer(state, transformer=pipe.transformer, metadata=metadata, _pipeline=pipe)
     else:
-        pipe.load_lora_weights(str(directory))
+        pipe.load_lora_weights(str(directory), weight_name=LORA_FILE, use_safetensors=True)
 
 
 def resolve_device(device: str) -> torch.device:

@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         from diffusers import StableDiffusion3Pipeline
 
         pipe = StableDiffusion3Pipeline.from_pretrained(args.init_from, local_files_only=True, text_encoder_3=None,
-                                                        tokenizer_3=None)
+                                                        tokenizer_3=None, use_safetensors=True)  # no pickle
         previous = json.loads((Path(args.init_from) / "pretrain_log.json").read_text())
         vae_stats = dict(previous["vae"], steps=0, seconds=0.0, kept_from=str(args.init_from))
         if previous.get("decoder"):  # the kept VAE is the refined one: its PSNR is the decoder stage's

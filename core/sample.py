@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from core.config import ConfigError
+    from core.checkpoint import CheckpointError
     from core.models import ModelNotFoundError, load_lora, load_pipeline, resolve_device
     from core.sampling import generate_images, to_pil
 
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise FileNotFoundError(f"--lora {str(lora)!r} holds no pytorch_lora_weights.safetensors; pass a "
                                         f"checkpoint folder such as RUN/checkpoints/step_000010")
             load_lora(pipe, lora)
-    except (ModelNotFoundError, FileNotFoundError, ConfigError) as e:
+    except (ModelNotFoundError, FileNotFoundError, ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     images = generate_images(pipe, [args.prompt], [args.seed], args.steps, args.guidance, args.resolution,

@@ -17,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 
+from core.checkpoint import checkpoints_in, is_disk_full
 from core.config import ConfigError, TrainConfig, available_presets, preset
 from core.launch import launch_rank, launched_by_torchrun, torchrun_command
 
@@ -60,12 +61,6 @@ def truncate_events_after(path: Path, step: int) -> int:
     return dropped
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    root = run_dir / "checkpoints"
-    found = sorted(p for p in root.glob("step_*") if (p / "training_state.pt").is_file()) if root.exists() else []
-    return found[-1] if found else None
-
-
 def build_config(args: argparse.Namespace) -> TrainConfig:
     if args.config:
         cfg = TrainConfig.load(args.config)
@@ -88,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the run folder")
     parser.add_argument("--steps", type=int, help="shorthand for --set steps=N")
     parser.add_argument("--resume", metavar="DIR", nargs="?", const="latest",
-                        help="a checkpoint folder, or no value for the run's latest checkpoint")
+                        help="a checkpoint folder or a run folder, or no value for --out's newest checkpoint; "
+                             "a run folder resumes from its newest checkpoint that passes its manifest check")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     launch = parser.add_argument_group("distributed launch (re-runs this command under torchrun)")
     launch.add_argument("--num-processes", type=int, help="processes on this node, one per GPU")
@@ -109,11 +105,14 @@ def main(argv: list[str] | None = None) -> int:
             args.config = str(out / "config.json")
         config = build_config(args)
         if args.resume == "latest":
-            resume = latest_checkpoint(out)
-            if resume is None:
+            resume = out
+            if not checkpoints_in(out):
                 raise FileNotFoundError(f"--resume: no checkpoint under {out / 'checkpoints'}")
         elif args.resume:
             resume = Path(args.resume)
+            if not resume.is_dir():
+                raise FileNotFoundError(f"--resume {args.resume!r}: no such folder (give a checkpoint folder "
+                                        f"such as RUN/checkpoints/step_000010, or a run folder)")
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"{prefix}error: {e}", file=sys.stderr)
         return 2
@@ -131,15 +130,23 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
-    if resume is not None:
-        import torch
-
-        step = int(torch.load(resume / "training_state.pt", map_location="cpu", weights_only=False)["step"])
-        truncate_events_after(out / EVENTS_FILE, step)
-    writer = JsonlWriter(out / EVENTS_FILE)
+    writer: JsonlWriter | None = None
+    early: list = []  # events before "start" (notices): written once a resume has cut the events file
     bar = tqdm(total=config.steps, disable=args.quiet, unit="step", dynamic_ncols=True)
 
     def on_event(event) -> None:
+        nonlocal writer
+        if event.kind == "notice":
+            bar.write(f"note: {event.message}", file=sys.stderr)
+        if writer is None:
+            if event.kind != "start":
+                early.append(event)
+                return
+            if event.resumed_from is not None:  # the resumed steps are written again
+                truncate_events_after(out / EVENTS_FILE, event.step)
+            writer = JsonlWriter(out / EVENTS_FILE)
+            for e in early:
+                writer(e)
         writer(event)
         if event.kind == "start":
             bar.n = event.step
@@ -153,9 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         bar.close()
-        writer.close()
+        if writer is not None:
+            writer.close()
     print(f"{result.status}: {result.step} steps; events in {out / EVENTS_FILE}; "
           f"checkpoint {result.last_checkpoint}")
     return 0

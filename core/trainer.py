@@ -30,10 +30,12 @@ import numpy as np
 import torch
 
 from core.advantages import per_reward_advantages, weighted_sum_rewards
+from core import checkpoint as ckpt_io
 from core.balancing import make_balancer
 from core.config import TrainConfig
 from core.distributed import check_batch_split, setup as setup_distributed
-from core.events import (BalanceEvent, CheckpointEvent, EndEvent, Event, SampleEvent, StartEvent, StepEvent)
+from core.events import (BalanceEvent, CheckpointEvent, EndEvent, Event, NoticeEvent, SampleEvent, StartEvent,
+                         StepEvent)
 from core.loss import advantage_to_r, combined_objective, kl_loss, nft_loss_terms, per_reward_objectives
 from core.models import Policy, VelocityInputs, load_pipeline
 from core.prompts import PromptSampler
@@ -42,7 +44,7 @@ from core.sampling import Rollout, decode_latents, encode_prompts, generate_late
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "training_state.pt"
+STATE_FILE = ckpt_io.STATE_TENSORS_FILE  # + training_state.json and manifest.json (core.checkpoint)
 # Fields that may change when a run is resumed; anything else must match the checkpoint.
 RESUMABLE_CHANGES = ("steps", "checkpoint_every", "sample_every", "num_threads")
 
@@ -393,48 +395,87 @@ class Trainer:
     # ---- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         """checkpoints/step_NNNNNN/: the diffusers LoRA (pytorch_lora_weights.safetensors, with its alpha
-        metadata) plus training_state.pt (old adapter, optimizer, balancer state, step, config).
-        Under torchrun rank 0 alone writes it (the state is the same on every rank); all return its path."""
+        metadata), training_state.safetensors + .json (old adapter, optimizer, balancer state, step, config;
+        no pickle) and manifest.json, written last (core.checkpoint). Under torchrun rank 0 alone writes it
+        (the state is the same on every rank); all return its path."""
         root = self.out_dir / "checkpoints"
         final = root / f"step_{self.step:06d}"
         if not self.dist.is_main:
             return final
-        tmp = root / f".tmp_step_{self.step:06d}_{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        self.policy.save_diffusers_lora(tmp)
-        torch.save({
-            "step": self.step,
-            "policy": self.policy.lora_state("policy"),
-            "old": self.policy.lora_state("old"),
-            "optimizer": self.optimizer.state_dict(),
-            "balancer": self.balancer.state_dict(),
-            "config": self.config.to_dict(),
-        }, tmp / STATE_FILE)
-        self.config.save(tmp / "config.json")
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)  # atomic: a checkpoint folder is complete or absent
+        tmp = root / f"{ckpt_io.TMP_PREFIX}{self.step:06d}_{os.getpid()}"
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            self.policy.save_diffusers_lora(tmp)
+            tensors, meta = self.training_state()
+            ckpt_io.save_state(tmp, tensors, meta)
+            self.config.save(tmp / "config.json")
+            ckpt_io.write_manifest(tmp)  # last: a folder with a valid manifest is complete
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)  # atomic: a checkpoint folder is complete or absent
+            ckpt_io.fsync_dir(root)
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back; a partial folder is never used
+            if ckpt_io.is_disk_full(e):
+                raise ckpt_io.disk_full_error(tmp, e) from e
+            raise
         self.emit(CheckpointEvent(step=self.step, path=str(final)))
         return final
 
+    def training_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """What a resume needs: named tensors (one safetensors file) and JSON. Add new state as a tensor
+        prefix or a JSON key here and read it back in :meth:`load_checkpoint`."""
+        opt_tensors, opt_meta = ckpt_io.split_optimizer_state(self.optimizer.state_dict())
+        tensors = {**ckpt_io.with_prefix("policy/", self.policy.lora_state("policy")),
+                   **ckpt_io.with_prefix("old/", self.policy.lora_state("old")), **opt_tensors}
+        meta = {"step": self.step, "config": self.config.to_dict(), "balancer": self.balancer.state_dict(),
+                "optimizer": opt_meta}
+        return tensors, meta
+
     def load_checkpoint(self, path: str | Path) -> None:
+        """Restore a checkpoint folder after checking every file against its manifest; nothing is unpickled
+        (a pickled training_state.pt of an older version is refused). CheckpointError names the file."""
         path = Path(path)
-        state_file = path / STATE_FILE
-        if not state_file.is_file():
-            raise FileNotFoundError(f"resume: {str(path)!r} is not a checkpoint folder (no {STATE_FILE}); "
-                                    f"pick one under <run>/checkpoints/")
-        state = torch.load(state_file, map_location="cpu", weights_only=False)
-        _check_resumable(state["config"], self.config.to_dict())
-        self.policy.load_lora_state(state["policy"], state["old"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.balancer.load_state_dict(state["balancer"])
-        self.step = int(state["step"])
+        ckpt_io.verify(path)
+        tensors, meta = ckpt_io.load_state(path)
+        try:
+            _check_resumable(meta["config"], self.config.to_dict())
+            self.policy.load_lora_state(ckpt_io.strip_prefix("policy/", tensors), ckpt_io.strip_prefix("old/", tensors))
+            self.optimizer.load_state_dict(ckpt_io.join_optimizer_state(tensors, meta["optimizer"]))
+            self.balancer.load_state_dict(meta["balancer"])
+            self.step = int(meta["step"])
+        except (KeyError, TypeError) as e:
+            raise ckpt_io.CheckpointError(f"{str(path / ckpt_io.STATE_JSON_FILE)!r} lacks what a resume needs "
+                                          f"({type(e).__name__}: {e})") from None
+
+    def _resolve_resume(self, resume_from: Path) -> Path:
+        """A checkpoint folder as given (verified on load), or a run folder's newest checkpoint that verifies;
+        newer ones that do not are skipped, and the run's events and log say so."""
+        if ckpt_io.is_checkpoint_folder(resume_from):
+            return resume_from
+        if not resume_from.is_dir():
+            raise FileNotFoundError(f"resume: {str(resume_from)!r} is neither a checkpoint folder nor a run folder")
+        chosen, skipped = ckpt_io.pick(ckpt_io.checkpoints_in(resume_from))
+        for folder, reason in skipped:
+            self.notice(f"resume: skipped checkpoint {folder.name} ({reason}); resuming from {chosen.name}")
+        return chosen
+
+    def notice(self, message: str) -> None:
+        log.warning("%s", message)
+        self.emit(NoticeEvent(step=self.step, message=message))
 
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self, resume_from: str | Path | None = None) -> TrainResult:
+        """Train to ``config.steps``. ``resume_from``: a checkpoint folder, or a run folder (its newest good
+        checkpoint). Orphan temp folders of a checkpoint write that was killed are removed first."""
+        if self.dist.is_main:
+            for orphan in ckpt_io.remove_orphans(self.out_dir):
+                self.notice(f"removed {str(orphan)!r}, a checkpoint write that never finished")
         resume_from = self._same_on_every_rank(resume_from)
         if resume_from is not None:
+            resolved = self._resolve_resume(resume_from) if self.dist.is_main else None
+            resume_from = Path(self.dist.broadcast_object(None if resolved is None else str(resolved)))
             self.load_checkpoint(resume_from)  # every rank loads the same checkpoint
         if self.dist.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)

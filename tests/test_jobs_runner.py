@@ -274,7 +274,7 @@ def test_reconcile_marks_dead_and_silent_jobs(tmp_path):
 
 
 def test_kill_9_marks_interrupted_and_resume_continues_from_the_checkpoint(env):
-    import torch
+    from core.checkpoint import load_state
 
     store = env.store
     rho = 0.7
@@ -305,7 +305,7 @@ def test_kill_9_marks_interrupted_and_resume_continues_from_the_checkpoint(env):
     c = ckpt["step"]
     assert run.step > c and _ids(store.steps(run_id)) == list(range(1, run.step + 1))
     kept = [row for row in store.metrics(run_id).rows if row[0] <= c]
-    saved = torch.load(os.path.join(ckpt["path"], "training_state.pt"), map_location="cpu", weights_only=False)
+    _, saved = load_state(ckpt["path"])  # safetensors + JSON: nothing is unpickled
     names = cfg.reward_names
     saved_alpha = dict(zip(names, saved["balancer"]["alpha_ema"]))
     last_full = [b for b in store.balance(run_id) if b["step"] <= c][-1]

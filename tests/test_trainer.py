@@ -161,7 +161,7 @@ def test_stop_flag_ends_the_run_with_a_checkpoint(tmp_path):
 
     result = train(small_config("marble", steps=5), tmp_path, on_event, should_stop)
     assert result.status == "stopped" and result.step == 1
-    assert result.last_checkpoint and (result.last_checkpoint / "training_state.pt").is_file()
+    assert result.last_checkpoint and (result.last_checkpoint / "training_state.safetensors").is_file()
     assert events[-1].kind == "end" and events[-1].status == "stopped"
 
 
