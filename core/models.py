@@ -211,7 +211,14 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"model.device={device!r} but no CUDA device is available; use 'cpu' or 'auto'")
+        from core.config import ConfigError  # a ValueError: the CLIs answer it with one line and exit 2
+
+        raise ConfigError("model.device", device, "no CUDA device is available on this machine; use 'cpu' or 'auto'")
+    if device.startswith("cuda:") and not (device[5:].isdigit() and int(device[5:]) < torch.cuda.device_count()):
+        from core.config import ConfigError
+
+        raise ConfigError("model.device", device, f"this machine has {torch.cuda.device_count()} CUDA device(s), "
+                                                  f"numbered from 0")
     return torch.device(device)
 
 

@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume is not None and not args.config and not args.preset and (out / "config.json").exists():
             args.config = str(out / "config.json")
         config = build_config(args)
+        _preflight(config, out)
         if args.resume == "latest":
             resume = out
             if not checkpoints_in(out):
@@ -172,6 +173,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{result.status}: {result.step} steps; events in {out / EVENTS_FILE}; "
           f"checkpoint {result.last_checkpoint}")
     return 0
+
+
+def _preflight(config: TrainConfig, out: Path) -> None:
+    """Refuse what would fail later, before anything is loaded or written: --out must be a folder this user can
+    create or write, and the run must fit the machine, use rewards its prompts can score and reach its reward
+    servers (core.preflight)."""
+    from core.cli_checks import writable_dir
+    from core.preflight import check_run
+
+    writable_dir("--out", out)
+    if config.model.device.startswith("cuda"):
+        from core.models import resolve_device
+
+        resolve_device(config.model.device)  # no CUDA here: refused before the run folder is made
+    check_run(config, world_size=int(os.environ.get("WORLD_SIZE", "1") or 1))
 
 
 _LAUNCH_FLAGS = {"--num-processes", "--num-nodes", "--node-rank", "--master-addr", "--master-port"}

@@ -119,6 +119,9 @@ class Trainer:
             if len(set(self.dist.all_gather_objects(config.to_json()))) > 1:
                 raise ValueError("the processes of this run were given different configs; every rank must "
                                  "run the same one")
+            from core.preflight import check_device_memory
+
+            check_device_memory(config, self.dist.device, self.dist.world_size)  # refused before the model loads
         except ValueError:
             self.dist.close()
             raise
