@@ -347,6 +347,8 @@ class BalanceDecision:
     """Finite gradient with ‖g_k‖ > GRAD_NORM_MIN."""
     solver: str
     """e.g. "cvxpy:OSQP:optimal", "single-valid", "no-valid", "fixed"."""
+    seconds: float = 0.0
+    """Wall time of the decision (checks, normalization and the QP solve)."""
 
 
 def _check_reward_names(reward_names: Sequence[str]) -> list[str]:
@@ -505,6 +507,7 @@ class MarbleBalancer(Balancer):
 
     # -- one full step (spec §4) --
     def balance(self, gram: np.ndarray, step: int) -> BalanceDecision:
+        start = time.perf_counter()
         step = _check_step(step)
         G = self._check_gram(gram)
         valid = valid_gradients(G)
@@ -512,7 +515,8 @@ class MarbleBalancer(Balancer):
         self._update_ema(alpha_raw, solver)
         self.last_full_step = step
         self.num_solves += 1
-        return BalanceDecision(alpha_raw, self.advantage_weights(step), grad_weights, valid, solver)
+        return BalanceDecision(alpha_raw, self.advantage_weights(step), grad_weights, valid, solver,
+                               time.perf_counter() - start)
 
     def _harmonize(self, G: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
         """(α*, c, solver) with d = Σ c_k g_k; invalid rewards get α*_k = c_k = 0."""

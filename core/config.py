@@ -20,6 +20,7 @@ from core import limits
 SAMPLER_SIGMAS = ("scheduler",)
 STD_MODES = ("global", "group")
 REFRESH_SCOPES = ("first_microbatch", "step")
+AMORTIZED_COMBINATIONS = ("masked", "authors")
 DTYPES = ("float32", "bfloat16", "float16")
 LORA_TARGETS_SD3 = (
     "attn.to_q",
@@ -257,6 +258,11 @@ class BalanceConfig:
     step is amortized with the fresh ᾱ) or "step" (every micro-batch of the step)."""
     diagnose_every: int = 10
     """M: per-reward gradient diagnostics every M steps for any strategy (0 = only on full steps)."""
+    amortized_combination: str = "masked"
+    """How an amortized unit combines the K rewards into one loss (docs/faithfulness.md). "masked": Σ_k ᾱ_k·ℓ_k
+    with each ℓ_k the masked mean over the samples reward k applies to — the α the QP chose, applied as it
+    chose it. "authors": the release's one NFT loss on Ā = Σ_k ᾱ_k·nan_to_num(A_k), averaged over every
+    sample, which scales each specialist by its share n_k/B of the batch."""
     single_reward: str | None = None
     """For strategy "single": the one reward that trains."""
     stages: list[StageConfig] = field(default_factory=list)
@@ -278,6 +284,8 @@ class BalanceConfig:
                  f"valid choices: {', '.join(REFRESH_SCOPES)}")
         _require(_is_int(self.diagnose_every) and self.diagnose_every >= 0, f"{prefix}.diagnose_every",
                  self.diagnose_every, "must be an integer >= 0")
+        _require(self.amortized_combination in AMORTIZED_COMBINATIONS, f"{prefix}.amortized_combination",
+                 self.amortized_combination, f"valid choices: {', '.join(AMORTIZED_COMBINATIONS)}")
         if self.strategy == "single":
             _require(self.single_reward in reward_names, f"{prefix}.single_reward", self.single_reward,
                      f"strategy 'single' needs one of the run's rewards: {', '.join(reward_names)}")
@@ -370,6 +378,11 @@ class TrainConfig:
         self.prompts.validate()
         self.sampling.validate()
         self.nft.validate()
+        B, m = self.sampling.batch_size, self.nft.micro_batch_size
+        _require(B % m == 0, "nft.micro_batch_size", m,
+                 f"micro-batches must be of equal size (a smaller last one would weigh its samples more): the "
+                 f"batch of {B} samples ({self.sampling.prompts_per_step} prompts × {self.sampling.images_per_prompt} "
+                 f"images) splits evenly into micro-batches of {', '.join(map(str, _divisors(B)))}")
         _require(isinstance(self.rewards, list) and 1 <= len(self.rewards) <= limits.MAX_REWARDS, "rewards",
                  self.rewards, f"needs between 1 and {limits.MAX_REWARDS} rewards")
         for i, r in enumerate(self.rewards):
@@ -438,6 +451,10 @@ class TrainConfig:
         for key, value in overrides.items():
             _set_dotted(data, key, value)
         return TrainConfig.from_dict(data)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _parse_value(text: str) -> Any:
@@ -556,7 +573,8 @@ def sd35m_paper(num_gpus: int = PAPER_GPUS) -> TrainConfig:
                                 images_per_prompt=24, max_sequence_length=128, rollout_batch_size=24),
         nft=NFTConfig(micro_batch_size=8),
         rewards=[RewardConfig(name) for name in PAPER_TRAINING_REWARDS],
-        balance=BalanceConfig(strategy="marble", refresh_every=10, warmup_steps=1, ema_rho=0.7),
+        balance=BalanceConfig(strategy="marble", refresh_every=10, warmup_steps=1, ema_rho=0.7,
+                              amortized_combination="authors"),
         optim=OptimConfig(lr=3e-4, beta1=0.9, beta2=0.999, weight_decay=1e-4, grad_clip=1.0),
         steps=1000,
         checkpoint_every=50,
@@ -587,7 +605,7 @@ def mini_world(strategy: str = "marble", **balance: Any) -> TrainConfig:
         prompts=PromptConfig(sources=list(MINI_WORLD_SOURCES)),
         sampling=SamplingConfig(num_steps=8, guidance_scale=1.0, resolution=64, prompts_per_step=12,
                                 images_per_prompt=4, max_sequence_length=4),
-        nft=NFTConfig(micro_batch_size=32, timestep_fraction=0.25),
+        nft=NFTConfig(micro_batch_size=24, timestep_fraction=0.25),
         rewards=[RewardConfig(n) for n in MINI_WORLD_REWARDS],
         balance=BalanceConfig(strategy=strategy, refresh_every=10, warmup_steps=1, ema_rho=0.7, diagnose_every=5,
                               **balance),

@@ -161,15 +161,16 @@ def setup(device: str = "auto") -> DistContext:
                        active=True, owns_group=owns)
 
 
-def check_batch_split(config: TrainConfig, world_size: int) -> None:
-    """The global batch B must split into W equal shares of whole micro-batches (raises ConfigError).
+def check_batch_split(config: TrainConfig, world_size: int) -> int:
+    """The micro-batch size each of ``world_size`` processes trains with (raises ConfigError when the global
+    batch B does not split into W equal shares).
 
     A step's micro-batches are consecutive runs of one permutation of the B samples; each process takes
-    B/W consecutive samples of it. Whole micro-batches per share keep the units of a W-process step
-    exactly those of a 1-process step.
+    B/W consecutive samples of it, in micro-batches of equal size. When the configured
+    ``nft.micro_batch_size`` does not divide a process's share, the share is split into the largest equal
+    micro-batches no bigger than the configured one (e.g. B = 48 on 4 processes with micro-batches of 24:
+    each process trains its 12 samples as one micro-batch of 12), so every preset runs on W processes.
     """
-    if world_size == 1:
-        return
     s, m = config.sampling, config.nft.micro_batch_size
     B = s.batch_size
     if B % world_size:
@@ -178,8 +179,4 @@ def check_batch_split(config: TrainConfig, world_size: int) -> None:
                           f"images) must split evenly over {world_size} processes; choose prompts_per_step × "
                           f"images_per_prompt divisible by {world_size}")
     share = B // world_size
-    if share % m:
-        divisors = [d for d in range(1, share + 1) if share % d == 0]
-        raise ConfigError("nft.micro_batch_size", m,
-                          f"each of the {world_size} processes trains {share} of the {B} samples, in whole "
-                          f"micro-batches; valid choices: {', '.join(map(str, divisors))}")
+    return max(d for d in range(1, min(m, share) + 1) if share % d == 0)

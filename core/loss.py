@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from core.config import AMORTIZED_COMBINATIONS
+
 
 def advantage_to_r(advantages: torch.Tensor, adv_clip_max: float = 5.0) -> torch.Tensor:
     """Optimality weight r = clip(A, -A_max, A_max) / (2·A_max) + 1/2, in [0, 1]. NaN stays NaN."""
@@ -90,3 +92,31 @@ def combined_objective(l_pos: torch.Tensor, l_neg: torch.Tensor, r: torch.Tensor
     """Scalar Σ_i w_i·ℓ(r̃_i) = Σ_k α_k·ℓ_k: the amortized step's objective, one backward."""
     weight, r_tilde = combine_r(r, alpha)
     return (weight * nft_policy_loss(l_pos, l_neg, r_tilde, nft_beta, adv_clip_max)).sum()
+
+
+def authors_combined_r(advantages: torch.Tensor, alpha: torch.Tensor, adv_clip_max: float) -> torch.Tensor:
+    """r(Ā) per sample [B] with Ā = Σ_k α_k·nan_to_num(A_k): the authors' amortized advantage (their train.py
+    combines the NaN-zeroed per-reward advantages, then clips). Averaged over all B samples, reward k's
+    part of the loss weighs n_k/B of what the masked form gives it. Shapes: advantages [B, K]; alpha [K]."""
+    a_bar = (torch.nan_to_num(advantages, nan=0.0) * alpha.to(advantages.dtype)[None, :]).sum(dim=1)
+    return advantage_to_r(a_bar, adv_clip_max)
+
+
+def amortized_objective(l_pos: torch.Tensor, l_neg: torch.Tensor, advantages: torch.Tensor, alpha: torch.Tensor,
+                        combination: str, nft_beta: float, adv_clip_max: float) -> torch.Tensor:
+    """The scalar loss of an amortized unit, one backward (spec §5), in one of two combinations:
+
+    - "masked": Σ_k α_k·ℓ_k, each ℓ_k the NFT loss with r_k averaged over the n_k samples where reward k
+      applies (:func:`combined_objective`) — exactly the α-weighted sum of the per-reward objectives the
+      QP balanced;
+    - "authors": mean_i ℓ(r(Σ_k α_k·nan_to_num(A_ik))) over all B samples, as the release computes it.
+
+    Both are equal when every reward applies to every sample and no combined advantage is clipped.
+    Shapes: l_pos, l_neg [B]; advantages [B, K] (NaN = not applicable); alpha [K]."""
+    if combination == "masked":
+        return combined_objective(l_pos, l_neg, advantage_to_r(advantages, adv_clip_max), alpha, nft_beta,
+                                  adv_clip_max)
+    if combination == "authors":
+        r_bar = authors_combined_r(advantages, alpha, adv_clip_max)
+        return nft_policy_loss(l_pos, l_neg, r_bar, nft_beta, adv_clip_max).mean()
+    raise ValueError(f"combination={combination!r}: valid choices: {', '.join(AMORTIZED_COMBINATIONS)}")

@@ -36,7 +36,7 @@ from core.config import TrainConfig
 from core.distributed import check_batch_split, setup as setup_distributed
 from core.events import (BalanceEvent, CheckpointEvent, EndEvent, Event, NoticeEvent, SampleEvent, StartEvent,
                          StepEvent)
-from core.loss import advantage_to_r, combined_objective, kl_loss, nft_loss_terms, per_reward_objectives
+from core.loss import advantage_to_r, amortized_objective, kl_loss, nft_loss_terms, per_reward_objectives
 from core.models import Policy, VelocityInputs, load_pipeline
 from core.prompts import PromptSampler
 from core.rewards import make_reward
@@ -100,6 +100,26 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a @ b).item() / (na * nb))
 
 
+@dataclass
+class _HarmonizedSums:
+    """Σ over a step's harmonized units of g [K, P], ∇KL [P] and ℓ_k [K] (refresh_scope "step")."""
+
+    g: torch.Tensor
+    g_kl: torch.Tensor
+    losses: torch.Tensor
+
+    @classmethod
+    def zeros(cls, K: int, P: int, device) -> "_HarmonizedSums":
+        def z(*shape):
+            return torch.zeros(*shape, dtype=torch.float64, device=device)
+        return cls(z(K, P), z(P), z(K))
+
+    def add(self, g: torch.Tensor, g_kl: torch.Tensor, losses: torch.Tensor) -> None:
+        self.g += g
+        self.g_kl += g_kl
+        self.losses += losses
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, out_dir: str | Path,
                  on_event: Callable[[Event], None] | None = None,
@@ -115,7 +135,7 @@ class Trainer:
         if not self.dist.is_main:
             self.on_event = None  # rank 0 alone reports
         try:
-            check_batch_split(config, self.dist.world_size)
+            self.micro_batch_size = check_batch_split(config, self.dist.world_size)  # adapted to B/W
             if len(set(self.dist.all_gather_objects(config.to_json()))) > 1:
                 raise ValueError("the processes of this run were given different configs; every rank must "
                                  "run the same one")
@@ -234,25 +254,21 @@ class Trainer:
         if self.balancer.scalarize:  # weighted sum: one scalar reward, one advantage
             R_ws = weighted_sum_rewards(R, self.reward_weights)
             A_ws = per_reward_advantages(R_ws[:, None], groups, cfg.advantage.std_mode, cfg.advantage.eps)
-            r_train = advantage_to_r(A_ws[shard], nft.adv_clip_max).to(self.device)  # [n, 1]
+            A_train = A_ws[shard].to(self.device)  # [n, 1]
         else:
-            r_train = r_rewards
+            A_train = A[shard].to(self.device)  # [n, K]
 
         # Units: micro-batches x each sample's permuted timesteps (spec §2); the permutation and the noise
         # of sample i come from (seed, step, i), whichever process trains it.
         T_grid = len(self.sigmas)
         T = max(1, int(T_grid * nft.timestep_fraction))
         t_index = torch.stack([_timestep_order(cfg.seed, step, i, T_grid)[:T] for i in shard.tolist()])  # [n, T]
-        units = [(mb, j) for mb in torch.arange(n).split(nft.micro_batch_size) for j in range(T)]
+        units = [(mb, j) for mb in torch.arange(n).split(self.micro_batch_size) for j in range(T)]
         U = len(units)  # this process's units; every process has as many (core.distributed.check_batch_split)
-
         full = self.balancer.needs_gradients(step) and not self.balancer.scalarize
-        harmonized = set(range(U)) if (full and bal.refresh_scope == "step") else ({0} if full else set())
-        diagnose = full or (bal.diagnose_every > 0 and step % bal.diagnose_every == 0)
-        P = self.policy.num_trainable
-        g_sum = torch.zeros(K, P, dtype=torch.float64, device=self.device)  # Σ over harmonized units of g_k
-        kl_sum = torch.zeros(P, dtype=torch.float64, device=self.device)
-        per_reward_sum = torch.zeros(K, dtype=torch.float64, device=self.device)
+        kinds = self._unit_kinds(step, U, full)
+        whole_step = full and bal.refresh_scope == "step"
+        acc = _HarmonizedSums.zeros(K, self.policy.num_trainable, self.device) if whole_step else None
         diag: dict | None = None
         loss_total, kl_total = 0.0, 0.0
         for p in self.params:
@@ -263,38 +279,23 @@ class Trainer:
                 raise StopTraining()
             t = self.sigmas[t_index[idx, j]]
             noise = torch.stack([_noise(cfg.seed, step, i, j, batch.x0.shape[1:]) for i in shard[idx].tolist()])
+            kind = kinds[ui]
             # Per-reward gradients never go through DDP's reducer: they are all-reduced by hand, once. So every
-            # unit runs under no_sync() except the step's last ordinary backward, which reduces all of .grad.
-            plain = ui not in harmonized and not (diagnose and ui == 0)
-            with dist.sync_context(self.policy.train_module, sync=plain and ui == U - 1):
+            # unit runs under no_sync() except the step's last amortized backward, which reduces all of .grad.
+            with dist.sync_context(self.policy.train_module, sync=kind == "amortized" and ui == U - 1):
                 l_pos, l_neg, kl = self._forward(batch, idx, t, noise)
-                kl_term = nft.kl_coef * kl.mean()
                 kl_total += kl.mean().item() / U
-                if not plain:  # K backward passes on one shared forward
-                    per_reward = per_reward_objectives(l_pos, l_neg, r_rewards[idx], nft.nft_beta, nft.adv_clip_max)
-                    g_k = torch.stack([self._grads(per_reward[k]) for k in range(K)])  # [K, P]
-                    g_kl = self._grads(kl_term) if nft.kl_coef > 0 else torch.zeros_like(kl_sum)
-                if ui in harmonized:
-                    g_sum += g_k
-                    kl_sum += g_kl
-                    per_reward_sum += per_reward.detach().double()
-                    if bal.refresh_scope == "first_microbatch":  # solve now: later units use the fresh ᾱ
-                        diag, loss_part = self._apply_harmonized(g_sum, kl_sum, per_reward_sum, 1.0 / U, step)
-                        loss_total += loss_part
-                    continue
-                alpha = torch.as_tensor(self._train_alpha(step), dtype=torch.float32, device=self.device)
-                loss = combined_objective(l_pos, l_neg, r_train[idx], alpha, nft.nft_beta, nft.adv_clip_max)
-                loss_total += loss.item() / U
-                if not plain:  # diagnostics: the strategy's own unit gradient, against each reward's
-                    update = self._grads(loss + kl_term, retain=False)
-                    g_k, update = dist.all_reduce_mean(g_k, update)  # one all-reduce: global diagnostics
-                    _add_flat_to_grad(self.params, update / U)
-                    diag = self._diagnostics(g_k, update, "diagnostic", None, step)
+                if kind == "harmonized":
+                    unit_diag, loss = self._harmonized_unit(l_pos, l_neg, kl, r_rewards[idx], step, U, acc)
+                    diag = unit_diag or diag
+                elif kind == "diagnostic":
+                    diag, loss = self._diagnostic_unit(l_pos, l_neg, kl, r_rewards[idx], A_train[idx], step, U)
                 else:
-                    ((loss + kl_term) / U).backward()
+                    loss = self._amortized_unit(l_pos, l_neg, kl, A_train[idx], step, U)
+                loss_total += loss
 
-        if full and bal.refresh_scope == "step":  # one solve on the whole step's mean gradients
-            diag, loss_part = self._apply_harmonized(g_sum / U, kl_sum / U, per_reward_sum / U, 1.0, step)
+        if whole_step:  # one solve on the whole step's mean gradients
+            diag, loss_part = self._apply_harmonized(acc.g / U, acc.g_kl / U, acc.losses / U, 1.0, step)
             loss_total += loss_part
 
         grad_norm = self._clip_and_step(step)
@@ -309,7 +310,7 @@ class Trainer:
             rewards={n: _nanmean(R[:, k]) for k, n in enumerate(self.reward_names)},
             alpha={n: float(a) for n, a in zip(self.reward_names, alpha_now)},
             seconds=seconds, loss=loss_total + nft.kl_coef * kl_total, kl=kl_total, grad_norm=grad_norm,
-            phase="full" if full else ("diagnostic" if diagnose else "amortized"),
+            phase="full" if full else ("diagnostic" if "diagnostic" in kinds else "amortized"),
             valid_counts={n: int(valid[:, k].sum()) for k, n in enumerate(self.reward_names)},
             reward_std={n: _nanstd(R[:, k]) for k, n in enumerate(self.reward_names)},
             stage=self.balancer.current_stage(step) if hasattr(self.balancer, "current_stage") else None))
@@ -317,6 +318,63 @@ class Trainer:
             self.emit(BalanceEvent(step=self.step, **diag))
         if cfg.sample_every and (self.step % cfg.sample_every == 0 or self.step == 1) and dist.is_main:
             self._save_samples(batch, shard, R[shard], A[shard])
+
+    # ---- the three kinds of unit --------------------------------------------------------------------
+    def _unit_kinds(self, step: int, U: int, full: bool) -> list[str]:
+        """What each of the step's U units does (spec §5):
+        - "harmonized": K backward passes on its shared forward, a min-norm solve, the harmonized update.
+          On a full step: every unit during the warm-up steps (each solve updates ᾱ, as the authors' code
+          does) and with ``refresh_scope="step"`` (one solve on their sum); otherwise the first unit only,
+          the rest of the step using the fresh ᾱ;
+        - "diagnostic": an amortized unit that also measures the K per-reward gradients (first unit of every
+          diagnose_every-th step that is not full);
+        - "amortized": one backward of the ᾱ-combined loss."""
+        bal = self.config.balance
+        if full:
+            if bal.refresh_scope == "step" or step < bal.warmup_steps:
+                return ["harmonized"] * U
+            return ["harmonized"] + ["amortized"] * (U - 1)
+        diagnose = bal.diagnose_every > 0 and step % bal.diagnose_every == 0
+        return (["diagnostic"] if diagnose else ["amortized"]) + ["amortized"] * (U - 1)
+
+    def _reward_gradients(self, l_pos, l_neg, kl, r):
+        """(g [K, P], ∇(λ_KL·KL) [P], ℓ_k [K]): K backward passes on one shared forward (graph kept)."""
+        nft = self.config.nft
+        per_reward = per_reward_objectives(l_pos, l_neg, r, nft.nft_beta, nft.adv_clip_max)
+        g = torch.stack([self._grads(per_reward[k]) for k in range(len(self.reward_names))])
+        g_kl = (self._grads(nft.kl_coef * kl.mean()) if nft.kl_coef > 0
+                else torch.zeros(g.shape[1], dtype=g.dtype, device=g.device))
+        return g, g_kl, per_reward.detach().double()
+
+    def _harmonized_unit(self, l_pos, l_neg, kl, r, step: int, U: int, acc: "_HarmonizedSums | None"):
+        """Solve on this unit's gradients and add its update (weight 1/U), or add them to ``acc`` for the
+        whole step's solve. Returns (diagnostics or None, loss contribution)."""
+        g, g_kl, losses = self._reward_gradients(l_pos, l_neg, kl, r)
+        if acc is not None:
+            acc.add(g, g_kl, losses)
+            return None, 0.0
+        return self._apply_harmonized(g, g_kl, losses, 1.0 / U, step)
+
+    def _amortized_objective(self, l_pos, l_neg, A, step: int) -> torch.Tensor:
+        nft = self.config.nft
+        alpha = torch.as_tensor(self._train_alpha(step), dtype=torch.float32, device=self.device)
+        return amortized_objective(l_pos, l_neg, A, alpha, self.config.balance.amortized_combination,
+                                   nft.nft_beta, nft.adv_clip_max)
+
+    def _amortized_unit(self, l_pos, l_neg, kl, A, step: int, U: int) -> float:
+        """One backward of the ᾱ-combined loss + λ_KL·KL, weight 1/U. Returns the loss contribution."""
+        loss = self._amortized_objective(l_pos, l_neg, A, step)
+        ((loss + self.config.nft.kl_coef * kl.mean()) / U).backward()
+        return loss.item() / U
+
+    def _diagnostic_unit(self, l_pos, l_neg, kl, r, A, step: int, U: int) -> tuple[dict, float]:
+        """An amortized unit that also measures each reward's gradient against the update it applies."""
+        g, _, _ = self._reward_gradients(l_pos, l_neg, kl, r)
+        loss = self._amortized_objective(l_pos, l_neg, A, step)
+        update = self._grads(loss + self.config.nft.kl_coef * kl.mean(), retain=False)
+        g, update = self.dist.all_reduce_mean(g, update)  # one all-reduce: global diagnostics
+        _add_flat_to_grad(self.params, update / U)
+        return self._diagnostics(g, update, "diagnostic", None, step), loss.item() / U
 
     def _stop_requested(self) -> bool:
         """The stop flag; under torchrun rank 0's, broadcast, so every process stops at the same unit."""
@@ -365,7 +423,7 @@ class Trainer:
             solver, seconds = "diagnostic", 0.0
         else:
             alpha_raw, alpha_ema = decision.alpha_raw, decision.alpha_ema
-            solver, seconds = decision.solver, float(getattr(decision, "seconds", 0.0))
+            solver, seconds = decision.solver, float(decision.seconds)
         return dict(
             alpha_raw={n: float(a) for n, a in zip(names, alpha_raw)},
             alpha_ema={n: float(a) for n, a in zip(names, alpha_ema)},

@@ -528,3 +528,9 @@ def test_torchjd_failure_falls_back_to_min_norm(monkeypatch):
     decision = marble(strategy="upgrad").balance(G, 0)
     assert decision.solver == "min-norm(torchjd:UPGradWeighting:error:ValueError)"
     np.testing.assert_allclose(decision.alpha_raw, marble().balance(G, 0).alpha_raw, atol=1e-6)
+
+
+def test_a_marble_decision_records_its_real_solve_time():
+    G = gram(np.array([[1.0, 0.0], [-0.5, 1.0], [0.2, -1.0]]))
+    d = marble().balance(G, 0)
+    assert d.seconds > 0 and d.solver.startswith("cvxpy")

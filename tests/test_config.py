@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from core.config import ConfigError, TrainConfig, available_presets, preset
+from core.config import PRESETS, ConfigError, TrainConfig, available_presets, preset
 
 
 @pytest.mark.parametrize("name", list(available_presets()))
@@ -23,12 +23,15 @@ def test_unknown_preset_lists_choices():
     ("balance.ema_rho", 1.5, r"balance.ema_rho=1.5: must be a number in \[0, 1\)"),
     ("balance.refresh_every", 0, r"balance.refresh_every=0: must be an integer >= 1"),
     ("advantage.std_mode", "local", r"advantage.std_mode='local': valid choices: global, group"),
-    ("sampling.images_per_prompt", 1, r"images_per_prompt=1: must be an integer >= 2"),
+    ("sampling.images_per_prompt", 1, r"images_per_prompt=1: must be an integer in \[2, 256\]"),
     ("sampling.resolution", 50, r"sampling.resolution=50: must be a multiple of 16"),
     ("nft.nft_beta", 0, r"nft.nft_beta=0.0: must be a number in \(0, 1\]"),
     ("model.dtype", "float8", r"model.dtype='float8': valid choices: float32, bfloat16, float16"),
     ("prompts.sources", ["nowhere"], r"prompts.sources='nowhere': valid choices: .*tiny"),
-    ("steps", -3, r"steps=-3: must be an integer >= 1"),
+    ("steps", -3, r"steps=-3: must be an integer in \[1, 10000000\]"),
+    ("balance.amortized_combination", "sum", r"balance.amortized_combination='sum': valid choices: masked, authors"),
+    ("nft.micro_batch_size", 12, r"nft.micro_batch_size=12: micro-batches must be of equal size .* the batch of 16 "
+                                 r"samples \(4 prompts × 4 images\) splits evenly into micro-batches of 1, 2, 4, 8, 16"),
 ])
 def test_bad_values_name_field_value_and_rule(key, value, pattern):
     with pytest.raises(ConfigError, match=pattern):
@@ -77,6 +80,12 @@ def test_overrides_parse_json_values_and_keep_strings():
 def test_invalid_json_is_a_config_error():
     with pytest.raises(ConfigError, match="is not valid JSON"):
         TrainConfig.from_json("{steps: 3")
+
+
+def test_paper_presets_combine_amortized_units_as_the_release_and_the_others_as_the_evidence_favours():
+    for name in PRESETS:
+        expected = "authors" if name.startswith("sd35m-paper") else "masked"
+        assert preset(name).balance.amortized_combination == expected, name
 
 
 def test_sd35_preset_carries_the_papers_hyperparameters():

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from core.checkpoint import load_state, strip_prefix
-from core.config import ConfigError
+from core.config import PRESETS, ConfigError, preset
 from core.distributed import DistContext, check_batch_split, process_device
 from core.launch import torchrun_command
 from tests.helpers import small_config
@@ -51,15 +51,23 @@ def test_bad_launch_arguments_are_named(kwargs, message):
         torchrun_command(**kwargs)
 
 
-def test_the_global_batch_must_split_into_whole_micro_batches_per_process():
+def test_the_global_batch_must_split_over_the_processes_and_the_micro_batch_adapts_to_each_share():
     cfg = small_config("marble")  # B = 2 x 4 = 8, micro-batches of 4
-    check_batch_split(cfg, 1)
-    check_batch_split(cfg, 2)
+    assert check_batch_split(cfg, 1) == 4
+    assert check_batch_split(cfg, 2) == 4
     with pytest.raises(ConfigError, match="global batch of 8 samples .* must split evenly over 3 processes"):
         check_batch_split(cfg, 3)
-    with pytest.raises(ConfigError, match=r"nft.micro_batch_size=4: each of the 4 processes trains 2 of the 8 "
-                                          r"samples, in whole micro-batches; valid choices: 1, 2"):
-        check_batch_split(cfg, 4)
+    assert check_batch_split(cfg, 4) == 2  # each process trains 2 samples: one micro-batch of 2
+    assert check_batch_split(cfg, 8) == 1
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_splits_into_equal_micro_batches_on_one_and_two_processes(name):
+    cfg = preset(name)
+    B = cfg.sampling.batch_size
+    assert B % cfg.nft.micro_batch_size == 0
+    m2 = check_batch_split(cfg, 2)
+    assert (B // 2) % m2 == 0 and m2 <= cfg.nft.micro_batch_size
 
 
 def test_a_pinned_gpu_is_refused_under_torchrun_with_several_processes():

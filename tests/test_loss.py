@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from core.loss import (advantage_to_r, combine_r, combined_objective, kl_loss, nft_loss, nft_loss_terms,
-                       nft_policy_loss, per_reward_objectives)
+from core.loss import (advantage_to_r, amortized_objective, combine_r, combined_objective, kl_loss, nft_loss,
+                       nft_loss_terms, nft_policy_loss, per_reward_objectives)
 
 
 def _tensors(seed=0, b=3):
@@ -115,3 +115,54 @@ def test_a_sample_no_reward_applies_to_gets_zero_weight():
     weight, r_tilde = combine_r(r, torch.tensor([0.5, 0.5]))
     assert weight[1].item() == 0.0 and r_tilde[1].item() == 0.5
     assert weight[0].item() == pytest.approx(0.5)
+
+
+def _specialist_batch(seed=11):
+    """8 samples, K = 3: a general reward (every sample) and two specialists valid on disjoint quarters / halves,
+    with advantages large enough that some are clipped."""
+    g = torch.Generator().manual_seed(seed)
+    l_pos = torch.rand(8, generator=g).requires_grad_(True)
+    l_neg = torch.rand(8, generator=g).requires_grad_(True)
+    A = torch.randn(8, 3, generator=g) * 3
+    A[:6, 1] = math.nan   # specialist 1 applies to 2 of 8 samples
+    A[4:, 2] = math.nan   # specialist 2 applies to 4 of 8
+    alpha = torch.tensor([0.2, 0.5, 0.3])
+    return l_pos, l_neg, A, alpha
+
+
+def test_masked_amortized_loss_is_the_alpha_weighted_sum_of_each_rewards_mean_over_its_own_samples():
+    l_pos, l_neg, A, alpha = _specialist_batch()
+    got = amortized_objective(l_pos, l_neg, A, alpha, "masked", 0.1, 5.0)
+    direct = 0.0
+    for k in range(3):  # written out: Σ_k α_k · mean over {i : A_ik valid} of ℓ(r(A_ik))
+        rows = [i for i in range(8) if not math.isnan(A[i, k])]
+        per = [nft_policy_loss(l_pos[i], l_neg[i], advantage_to_r(A[i, k], 5.0), 0.1, 5.0) for i in rows]
+        direct = direct + alpha[k] * sum(per) / len(rows)
+    assert got.item() == pytest.approx(direct.item(), rel=1e-6)
+    g1 = torch.autograd.grad(got, (l_pos, l_neg))
+    g2 = torch.autograd.grad(direct, (l_pos, l_neg))
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g1, g2))
+
+
+def test_authors_amortized_loss_is_one_nft_loss_on_the_nan_zeroed_combined_advantage_over_every_sample():
+    l_pos, l_neg, A, alpha = _specialist_batch()
+    got = amortized_objective(l_pos, l_neg, A, alpha, "authors", 0.1, 5.0)
+    direct = 0.0
+    for i in range(8):  # written out: mean_i ℓ(r(clip(Σ_k α_k · (A_ik or 0))))
+        a_bar = sum(float(alpha[k]) * (0.0 if math.isnan(A[i, k]) else float(A[i, k])) for k in range(3))
+        r = min(max(a_bar, -5.0), 5.0) / 10.0 + 0.5
+        direct = direct + (5.0 / 0.1) * (r * l_pos[i] + (1 - r) * l_neg[i]) / 8
+    assert got.item() == pytest.approx(direct.item(), rel=1e-6)
+    # the two forms differ on specialists (each scaled by n_k/B in the authors' form) ...
+    masked = amortized_objective(l_pos, l_neg, A, alpha, "masked", 0.1, 5.0)
+    assert abs(masked.item() - got.item()) > 1e-3
+    # ... and agree when every reward applies to every sample and nothing is clipped
+    A_full = torch.randn(8, 3, generator=torch.Generator().manual_seed(2)).clamp(-1.5, 1.5)
+    both = [amortized_objective(l_pos, l_neg, A_full, alpha, c, 0.1, 5.0).item() for c in ("masked", "authors")]
+    assert both[0] == pytest.approx(both[1], rel=1e-6)
+
+
+def test_an_unknown_combination_is_refused_by_name():
+    l_pos, l_neg, A, alpha = _specialist_batch()
+    with pytest.raises(ValueError, match="combination='mean': valid choices: masked, authors"):
+        amortized_objective(l_pos, l_neg, A, alpha, "mean", 0.1, 5.0)
