@@ -4,9 +4,10 @@
     python -m jobs list [--status S] [--json]
     python -m jobs show RUN [--json]
     python -m jobs cancel RUN [--no-wait]
-    python -m jobs resume RUN [--steps N]
+    python -m jobs resume RUN [--steps N] [--from-step N]
     python -m jobs logs RUN [--lines N]
     python -m jobs export RUN --format csv|parquet [--out FILE]
+    python -m jobs export RUN --format hub --out DIR [--checkpoint STEP] [--push REPO_ID] [--license ID]
     python -m jobs worker [--once] [--slots N]
 
 Everything lives under the data directory: --home, else $MARBLE_HOME, else ./runs (the database
@@ -107,8 +108,9 @@ def cmd_cancel(store: Store, args) -> int:
 def cmd_resume(store: Store, args) -> int:
     from jobs.runner import resume
 
-    resume(store, args.run, steps=args.steps)
-    print(f"run {args.run} queued to resume from its last checkpoint")
+    resume(store, args.run, steps=args.steps, from_step=args.from_step)
+    where = f"checkpoint {args.from_step}" if args.from_step is not None else "last good checkpoint"
+    print(f"run {args.run} queued to resume from its {where}")
     return 0
 
 
@@ -122,7 +124,31 @@ def cmd_export(store: Store, args) -> int:
     from jobs.export import export_metrics
 
     store.get_run(args.run)
+    if args.format == "hub":
+        return _export_hub(store, args)
+    for flag in ("checkpoint", "push", "license"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag}: only --format hub takes it")
     print(export_metrics(store, args.run, args.format, args.out))
+    return 0
+
+
+def _export_hub(store: Store, args) -> int:
+    """The Hub-ready folder (jobs.hub_export); a push that cannot happen is one sentence and exit code 2."""
+    from jobs.hub_export import PushError, export_hub, push_folder
+
+    if not args.out:
+        raise ValueError("--out: --format hub writes a folder; name it, e.g. --out exports/my-lora")
+    done = export_hub(store, args.run, args.out, checkpoint_step=args.checkpoint, license_id=args.license,
+                      repo_id=args.push)
+    ema = " (with its EMA in ema/)" if done.has_ema else ""
+    print(f"run {args.run} checkpoint {done.checkpoint_step}{ema} exported to {done.folder}: {', '.join(done.files)}")
+    if args.push:
+        try:
+            print(f"pushed to {push_folder(done.folder, args.push)}")
+        except PushError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 
@@ -177,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("resume", help="queue a stopped run to continue from its last checkpoint")
     p.add_argument("run", type=int)
     p.add_argument("--steps", type=int, help="extend the run to this many steps")
+    p.add_argument("--from-step", type=int, metavar="N", help="resume from the checkpoint of step N (default: "
+                   "the newest one whose files match its manifest); the steps after N are run again")
     p.set_defaults(func=cmd_resume)
 
     p = sub.add_parser("logs", help="the tail of a run's job log")
@@ -184,10 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lines", type=int, default=50)
     p.set_defaults(func=cmd_logs)
 
-    p = sub.add_parser("export", help="per-step metrics as one wide table")
+    p = sub.add_parser("export", help="per-step metrics as one wide table, or a Hub-ready LoRA folder (hub)")
     p.add_argument("run", type=int)
-    p.add_argument("--format", required=True, choices=FORMATS)
-    p.add_argument("--out", help="output file (default: <run folder>/metrics.<format>)")
+    p.add_argument("--format", required=True, choices=(*FORMATS, "hub"))
+    p.add_argument("--out", help="output file (default: <run folder>/metrics.<format>); hub: the new folder")
+    p.add_argument("--checkpoint", type=int, metavar="STEP", help="hub: the checkpoint's step (default: the newest)")
+    p.add_argument("--push", metavar="REPO_ID", help="hub: also upload the folder to this Hub model repo (needs a token)")
+    p.add_argument("--license", metavar="ID", help="hub: the card's license (default: left for you to set)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("worker", help="run the queue without the UI")

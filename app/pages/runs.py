@@ -99,6 +99,37 @@ def duplicate_values(run_id: Any, fields: list[FormField]) -> list[Any]:
             *config_form_values(TrainConfig.from_dict(run.config), fields)]
 
 
+def export_for_hub(run_id: Any, repo_id: str | None = None) -> str:
+    """Export's click: the newest checkpoint as a Hub-ready folder under the run's folder
+    (exports/hub-step_N, or -2, -3 ... when that exists), then a push when a repo id is given."""
+    from jobs.hub_export import ExportError, PushError, export_hub, push_folder
+
+    if run_id is None:
+        return "Pick a run first."
+    rid = int(run_id)
+    repo = (repo_id or "").strip() or None
+    store = context.store()
+    try:
+        ckpt = store.latest_checkpoint(rid)
+        step = ckpt["step"] if ckpt else 0
+        root = store.run_dir(rid) / "exports"
+        out, n = root / f"hub-step_{step}", 1
+        while out.exists():
+            n += 1
+            out = root / f"hub-step_{step}-{n}"
+        done = export_hub(store, rid, out, repo_id=repo)
+    except (ExportError, RunNotFound, ValueError) as e:
+        return f"Run #{rid}: {e}"
+    message = (f"Run #{rid}: checkpoint {done.checkpoint_step} exported{' with its EMA' if done.has_ema else ''} "
+               f"to `{done.folder}` (LoRA, model card, config, figures).")
+    if repo:
+        try:
+            message += f" Pushed to {push_folder(done.folder, repo)}."
+        except PushError as e:
+            message += f" {str(e)[0].upper()}{str(e)[1:]}."
+    return message
+
+
 def _log(run_id: Any) -> str:
     """The job log's last 60 lines; a run deleted meanwhile (here or in another tab) has none."""
     try:
@@ -118,6 +149,10 @@ def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dic
                               elem_id="run-resume-steps", scale=1)
         dup_btn = gr.Button("Duplicate with changes", elem_id="run-duplicate", scale=1)
         delete_btn = gr.Button("Delete", elem_id="run-delete", scale=1)
+    with gr.Row():
+        export_btn = gr.Button("Export for the Hub", elem_id="run-export", scale=1)
+        export_repo = gr.Textbox(label="Push to Hub repo (optional, needs a token): user/name", elem_id="run-export-repo",
+                                 scale=3)
     with gr.Row():
         message = gr.Markdown(elem_id="runs-message")
         confirm_btn = gr.Button("Delete for good", elem_id="run-delete-confirm", variant="stop", visible=False,
@@ -144,6 +179,7 @@ def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dic
     cancel_btn.click(lambda r: act("cancel", r), pick, message)
     resume_btn.click(lambda r, n: act("resume", r, n), [pick, resume_to], message)
     delete_btn.click(ask_delete, pick, [message, confirm_btn, pending])
+    export_btn.click(export_for_hub, [pick, export_repo], message)
     confirm_btn.click(confirm_delete, [pending, pick], [message, confirm_btn, pending, pick])
     dup_outputs = [new_run["preset"], new_run["name"], *new_run["widgets"], *new_run["extras"]]
     dup_btn.click(lambda r: duplicate_values(r, new_run["fields"]) if r is not None else [gr.skip()] * len(
