@@ -54,17 +54,18 @@ class PerSampleGradients:
     Use::
 
         psg = PerSampleGradients(transformer, params)
-        with psg.recording(batch=b, passes=2):
-            v = policy.velocity(inputs)             # forward: each trainable linear's input is kept
-            l_pos, l_neg = ...
-            psg.backward(l_pos.sum(), pass_index=0)  # row block 0 of J: every p_i
-            psg.backward(l_neg.sum(), pass_index=1)  # row block 1: every q_i
+        with psg.recording(batch=b, passes=2):       # the forward: each trainable linear's input is kept
+            v = policy.velocity(inputs)
+        l_pos, l_neg = ...
+        psg.backward(l_pos.sum(), pass_index=0)      # row block 0 of J: every p_i
+        psg.backward(l_neg.sum(), pass_index=1)      # row block 1: every q_i
         J = psg.jacobian                             # [passes·b, P], columns in ``params`` order
+        psg.release()                                # drop J and the kept inputs
 
     The flat layout matches ``torch.cat([p.flatten() for p in params])``. Only linears whose weight is in
-    ``params`` (and no bias among ``params``) are supported: LoRA's A and B matrices. Under gradient
-    checkpointing a block's forward runs again inside the backward; the recorded input is then the
-    recomputed one, the same values."""
+    ``params`` (and no bias among ``params``) are supported: LoRA's A and B matrices. Other backward passes
+    through the same graph (the KL's, an update's) leave J alone. Under gradient checkpointing a block's
+    forward runs again inside the backward; the kept input is then the recomputed one, the same values."""
 
     def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter]):
         ids = {id(p): n for n, p in enumerate(params)}
@@ -88,6 +89,7 @@ class PerSampleGradients:
                              f"linear layer (first: shape {tuple(params[missing[0]].shape)}); use the "
                              f"K-backward path")
         self._inputs: dict[torch.nn.Module, torch.Tensor] = {}
+        self._filled: set[torch.nn.Module] = set()  # layers whose rows the current pass has written
         self._handles: list = []
         self._batch = 0
         self._pass: int | None = None  # the row block being filled; None outside ``backward``
@@ -96,6 +98,8 @@ class PerSampleGradients:
     # -- recording --
     def recording(self, batch: int, passes: int = 2, dtype: torch.dtype = torch.float32,
                   device: torch.device | str = "cpu") -> "PerSampleGradients":
+        """Arm for one forward of ``batch`` samples (a context manager) and allocate J [passes·b, P]."""
+        self.release()
         self._batch = batch
         self.jacobian = torch.zeros(passes * batch, self.num_params, dtype=dtype, device=device)
         return self
@@ -109,21 +113,24 @@ class PerSampleGradients:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def release(self) -> None:
         self._inputs.clear()
+        self.jacobian = None
 
     def _on_forward(self, layer: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
         if not (torch.is_grad_enabled() and output.requires_grad):
             return  # v_old (functional_call under no_grad) runs through the same layers: not recorded
         x = args[0]
-        if x.shape[0] != self._batch:
+        if self.jacobian is None or x.shape[0] != self._batch:
             raise ValueError(f"per-sample gradients: a trainable layer saw a batch of {x.shape[0]} while "
                              f"{self._batch} samples are recorded")
         self._inputs[layer] = x.detach()
         output.register_hook(lambda grad, layer=layer: self._on_grad(layer, grad))
 
     def _on_grad(self, layer: torch.nn.Module, grad_out: torch.Tensor) -> None:
-        if self._pass is None:
-            return  # another backward through the same graph (KL, diagnostics): not a row of J
+        if self._pass is None or self.jacobian is None:
+            return  # another backward through the same graph (KL, an update's): not a row of J
         x = self._inputs[layer]
         b = self._batch
         # [b, tokens, out] x [b, tokens, in] -> [b, out, in]: this layer's weight gradient, one per sample
@@ -132,6 +139,7 @@ class PerSampleGradients:
         offset, numel = self._layers[layer]
         rows = self.jacobian[self._pass * b:(self._pass + 1) * b, offset:offset + numel]
         rows += per_sample.reshape(b, numel)  # += : a layer called twice in one forward adds both calls
+        self._filled.add(layer)
 
     def backward(self, total: torch.Tensor, pass_index: int, retain_graph: bool = True) -> torch.Tensor:
         """One backward pass of ``total`` (a sum over the recorded samples of a per-sample loss): fills
@@ -139,10 +147,15 @@ class PerSampleGradients:
         that block's column sums (a built-in check)."""
         params = [layer.weight for layer in self._layers]
         self._pass = pass_index
+        self._filled.clear()
         try:
             grads = torch.autograd.grad(total, params, retain_graph=retain_graph, allow_unused=True)
         finally:
             self._pass = None
+        unfilled = [layer for layer, g in zip(self._layers, grads) if g is not None and layer not in self._filled]
+        if unfilled:  # e.g. a forward outside ``recording`` or under reentrant checkpointing: J would be wrong
+            raise RuntimeError(f"per-sample gradients: {len(unfilled)} of {len(self._layers)} trainable layers "
+                               f"had a gradient but no recorded forward; use balance.gradients=per_reward")
         flat = torch.zeros(self.num_params, dtype=self.jacobian.dtype, device=self.jacobian.device)
         for layer, g in zip(self._layers, grads):
             if g is not None:

@@ -94,9 +94,9 @@ def test_two_backward_passes_give_every_per_reward_gradient_gram_and_update(tiny
     psg = PerSampleGradients(tiny64.transformer, tiny64.parameters)
     with psg.recording(batch=b, passes=2, dtype=torch.float64):
         l_pos, l_neg = _unit(tiny64, b, seed=k)
-        sum_pos = psg.backward(l_pos.sum(), 0)
-        sum_neg = psg.backward(l_neg.sum(), 1)
-        expected = _k_backward(tiny64, l_pos, l_neg, r)
+    sum_pos = psg.backward(l_pos.sum(), 0)
+    sum_neg = psg.backward(l_neg.sum(), 1)
+    expected = _k_backward(tiny64, l_pos, l_neg, r)  # other backward passes leave J alone
     J = psg.jacobian
     assert J.shape == (2 * b, tiny64.num_trainable)
     # each block's rows sum to the ordinary gradient of its pass: the samples were split, not changed
@@ -132,8 +132,34 @@ def test_the_old_adapter_and_no_grad_forwards_are_not_recorded(tiny64):
         with torch.no_grad():
             _unit(tiny64, b, seed=3)
         l_pos, _ = _unit(tiny64, b, seed=3)
-        total = psg.backward(l_pos.sum(), 0, retain_graph=False)
+    total = psg.backward(l_pos.sum(), 0, retain_graph=False)
     torch.testing.assert_close(psg.jacobian.sum(0), total, rtol=1e-10, atol=1e-14)
+
+
+def test_under_gradient_checkpointing_the_rows_are_the_same(tiny64):
+    """Checkpointing re-runs each block's forward inside the backward; J must not change."""
+    b = 3
+    psg = PerSampleGradients(tiny64.transformer, tiny64.parameters)
+    with psg.recording(batch=b, passes=1, dtype=torch.float64):
+        l_pos, _ = _unit(tiny64, b, seed=4)
+    psg.backward(l_pos.sum(), 0, retain_graph=False)
+    plain = psg.jacobian.clone()
+    tiny64.transformer.enable_gradient_checkpointing()
+    try:
+        with psg.recording(batch=b, passes=1, dtype=torch.float64):
+            l_pos, _ = _unit(tiny64, b, seed=4)
+        psg.backward(l_pos.sum(), 0, retain_graph=False)
+    finally:
+        tiny64.transformer.disable_gradient_checkpointing()
+    torch.testing.assert_close(psg.jacobian, plain, rtol=1e-10, atol=1e-16)
+
+
+def test_a_forward_that_was_not_recorded_is_an_error_not_a_zero_jacobian(tiny64):
+    psg = PerSampleGradients(tiny64.transformer, tiny64.parameters)
+    psg.recording(batch=2, passes=1, dtype=torch.float64)  # armed, but the forward runs outside it
+    l_pos, _ = _unit(tiny64, 2, seed=5)
+    with pytest.raises(RuntimeError, match="no recorded forward"):
+        psg.backward(l_pos.sum(), 0, retain_graph=False)
 
 
 def test_a_trainable_tensor_that_is_not_a_linear_weight_is_refused():
