@@ -1,0 +1,127 @@
+"""Checks of a run that need more than its config — its prompt sources, its reward servers, the machine —
+done before a run is queued (``jobs.runner.submit``: CLI and web form) or started (``core.train``), so a
+mistake is one clear message instead of a failure at the first step.
+
+- :func:`reward_coverage`: every reward must apply to some prompt of the run's sources. A reward that applies
+  to none returns NaN on every sample: its advantage is empty, the balancer gives it α = 0, and the run
+  trains without it while its curves stay blank. That is never what the user meant (a specialist reward
+  picked without its prompt source), so the run is **refused**, not warned about: a warning in a job log is
+  read after the compute is spent, and nothing may be fixed silently. A reward meant only to be watched
+  belongs in evaluation (core.evaluate), where NaN is fine.
+- :func:`remote_rewards_reachable`: a ``remote`` reward's server answers its health check.
+- :func:`check_resources`: the memory estimate (core.limits) against this machine (torch-free for CPU runs).
+
+Torch-free: the web process calls these through ``jobs.runner.submit``.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from core.config import ConfigError, TrainConfig
+
+Applies = Callable[[str, Mapping[str, Any]], bool]
+
+
+def _world(*tasks: str) -> Applies:
+    # core/rewards/world.py: WorldReward.applies (the metadata carries a world spec of one of its tasks)
+    return lambda _prompt, meta: meta.get("task") in tasks and isinstance(meta.get("objects"), list)
+
+
+def _ocr(prompt: str, _meta: Mapping[str, Any]) -> bool:
+    from core.rewards.ocr import quoted_text
+
+    return quoted_text(prompt) is not None
+
+
+def _geneval(_prompt: str, meta: Mapping[str, Any]) -> bool:
+    return bool(meta.get("include"))  # core/rewards/geneval.py: parse_requirements is None without it
+
+
+APPLIES: dict[str, Applies] = {
+    "color_fidelity": _world("color"),
+    "count_accuracy": _world("count"),
+    "spatial_relation": _world("position"),
+    "world_geneval": _world("single", "color", "count", "position"),
+    "ocr": _ocr,
+    "geneval": _geneval,
+}
+"""Rewards that score only some prompts (NaN on the rest), with the test they apply; every other reward
+(image statistics, CLIP-family scores, remote servers) applies to every prompt."""
+
+_NEEDS = {
+    "color_fidelity": "world-color prompts (metadata task=color)",
+    "count_accuracy": "world-count prompts (metadata task=count)",
+    "spatial_relation": "world-position prompts (metadata task=position)",
+    "world_geneval": "mini-world prompts (a world-* source)",
+    "ocr": "prompts with \"quoted\" text (e.g. nft-ocr)",
+    "geneval": "GenEval prompts with \"include\" metadata (e.g. nft-geneval)",
+}
+
+
+def reward_coverage(config: TrainConfig) -> None:
+    """Raise ConfigError naming a reward that applies to no prompt of the run's sources (and split)."""
+    from core.prompts import load_source
+
+    todo = {i: r.name for i, r in enumerate(config.rewards) if r.name in APPLIES}
+    if not todo:
+        return
+    items = []
+    for name in config.prompts.sources:
+        try:
+            items += load_source(name).split(config.prompts.split)
+        except ValueError as e:
+            raise ConfigError("prompts.sources", name, str(e)) from None
+    for i, reward in todo.items():
+        test = APPLIES[reward]
+        if not any(test(it.text, it.metadata) for it in items):
+            raise ConfigError(f"rewards[{i}].name", reward,
+                              f"applies to no prompt of the run's sources ({', '.join(config.prompts.sources)}, "
+                              f"split {config.prompts.split}): it would score NaN everywhere and get α = 0. It "
+                              f"needs {_NEEDS[reward]}; add such a source or drop the reward")
+
+
+def remote_rewards_reachable(config: TrainConfig, timeout: float = 3.0) -> None:
+    """Raise ConfigError when a ``remote`` reward's server does not answer its health check (GET url)."""
+    for i, r in enumerate(config.rewards):
+        if r.name != "remote":
+            continue
+        url = r.kwargs.get("url")
+        try:
+            with urllib.request.urlopen(urllib.request.Request(str(url), method="GET"), timeout=timeout) as resp:
+                json.loads(resp.read(65536) or b"{}")
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            reason = getattr(e, "reason", None) or e
+            raise ConfigError(f"rewards[{i}].kwargs.url", url, f"the reward server does not answer ({reason}); "
+                                                                f"start it (docs/remote-reward.md) or fix the url") from None
+
+
+def check_resources(config: TrainConfig, world_size: int = 1) -> None:
+    """The memory estimate against this host's RAM for CPU runs (GPU runs: the trainer, against the GPU)."""
+    from core.limits import check_fits_host
+
+    check_fits_host(config, world_size)
+
+
+def check_run(config: TrainConfig, world_size: int = 1) -> None:
+    """Everything above, cheapest first."""
+    check_resources(config, world_size)
+    reward_coverage(config)
+    remote_rewards_reachable(config)
+
+
+def check_device_memory(config: TrainConfig, device: Any, world_size: int = 1) -> None:
+    """The memory estimate against the device a process trains on (called by the trainer before loading)."""
+    from core.limits import check_fits, host_memory_bytes
+
+    if getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        props = torch.cuda.get_device_properties(device)
+        check_fits(config, int(props.total_memory), f"GPU {device} ({props.name})", world_size)
+    else:
+        check_fits(config, host_memory_bytes(), "this machine's RAM", world_size)
