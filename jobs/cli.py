@@ -164,6 +164,56 @@ def cmd_worker(store: Store, args) -> int:
     return 0
 
 
+def _check_args(args) -> None:
+    """Bounds of the numeric flags and the shape of --out, checked before anything runs (``worker --poll -1``
+    used to start a job before refusing)."""
+    import math
+    from pathlib import Path
+
+    def bad(flag: str, value, rule: str) -> None:
+        raise ValueError(f"{flag}={value!r}: {rule}")
+
+    if getattr(args, "limit", None) is not None and args.limit < 1:
+        bad("--limit", args.limit, "must be an integer >= 1 (leave it out for every run)")
+    if args.command == "logs" and not 1 <= args.lines <= 100_000:
+        bad("--lines", args.lines, "must be an integer in [1, 100000]")
+    if args.command == "worker":
+        if args.poll is not None and not (math.isfinite(args.poll) and 0 < args.poll <= 3600):
+            bad("--poll", args.poll, "must be a number of seconds in (0, 3600]")
+        if args.slots is not None and not 1 <= args.slots <= 256:
+            bad("--slots", args.slots, "must be an integer in [1, 256]")
+    if args.command == "export" and args.format != "hub" and args.out and Path(args.out).is_dir():
+        bad("--out", args.out, f"is a folder; --format {args.format} writes one file, e.g. {args.out}/metrics.{args.format}")
+    if getattr(args, "run", None) is not None and args.run < 1:
+        bad("RUN", args.run, "run ids are integers >= 1 (see `python -m jobs list`)")
+
+
+def _open_store(args) -> Store:
+    """Store.open with its failures as one sentence naming --home / --db: a bad URL, a SQLite file in a missing
+    folder, a file that is not a database, a --home that is a file."""
+    import os
+    from pathlib import Path
+
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from jobs.paths import DATABASE_URL_ENV, HOME_ENV
+
+    home = args.home or os.environ.get(HOME_ENV)
+    flag = "--home" if args.home else HOME_ENV
+    if home and Path(home).expanduser().exists() and not Path(home).expanduser().is_dir():
+        raise ValueError(f"{flag}={home!r}: is a file; the data directory must be a folder")
+    url = args.db or os.environ.get(DATABASE_URL_ENV)
+    where = f"--db={url!r}" if args.db else (f"{DATABASE_URL_ENV}={url!r}" if url else "the database")
+    try:
+        return Store.open(args.home, args.db)
+    except SQLAlchemyError as e:
+        reason = str(getattr(e, "orig", None) or e).splitlines()[0]
+        raise ValueError(f"{where}: cannot open it ({reason}); give a URL such as sqlite:////path/to/marble.db "
+                         f"(its folder must exist) or postgresql+psycopg://user@host/db") from None
+    except OSError as e:
+        raise ValueError(f"{flag}={home!r}: cannot use it as the data directory ({e.strerror or e})") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jobs.export import FORMATS
 
@@ -237,7 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     from core.config import ConfigError
 
     try:
-        with Store.open(args.home, args.db) as store:
+        _check_args(args)  # before the database is touched: a refused command changes nothing
+        opened = _open_store(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        with opened as store:
             if args.command != "worker" and args.command != "submit":
                 from jobs.runner import reconcile
 
