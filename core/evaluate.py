@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -418,6 +419,30 @@ def signed(z: float) -> str:
     return f"{z:+.2f}" if math.isfinite(z) else "n/a"
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Bounds and folders checked before torch loads (--threads 0 and a --checkpoint without weights ended
+    in tracebacks)."""
+    from core.cli_checks import UsageError, int_in, number_in, writable_dir
+
+    int_in("--threads", args.threads, 1, 1024)
+    int_in("--prompts-per-source", args.prompts_per_source, 1, 100_000)
+    int_in("--seeds", args.seeds, 1, 256)
+    if args.num_steps is not None:
+        int_in("--num-steps", args.num_steps, 2, 1000)
+    if args.guidance is not None:
+        number_in("--guidance", args.guidance, 1.0, 100.0)
+    for run in [args.run] if args.run else args.study:
+        if not (Path(run) / "config.json").is_file():
+            raise UsageError(f"{'--run' if args.run else '--study'}={run!r}: is not a run folder (no config.json)")
+    if args.checkpoint is not None:
+        ckpt = Path(args.checkpoint)
+        if not (ckpt / "pytorch_lora_weights.safetensors").is_file():
+            raise UsageError(f"--checkpoint={args.checkpoint!r}: holds no pytorch_lora_weights.safetensors; pass "
+                             f"a checkpoint folder such as RUN/checkpoints/step_000010")
+    if args.study and args.out:
+        writable_dir("--out", Path(args.out))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m core.evaluate", description=__doc__.split("\n")[0])
     what = ap.add_mutually_exclusive_group(required=True)
@@ -432,6 +457,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", help="--run: a checkpoint folder instead of the last one")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = ap.parse_args(argv)
+    try:
+        _check_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     import torch
 
     torch.set_num_threads(args.threads)
