@@ -1,6 +1,8 @@
 """``python -m app``: serve MARBLE Studio on 127.0.0.1:7860 (GRADIO_SERVER_NAME / GRADIO_SERVER_PORT respected).
 
-Binding to any address other than loopback requires MARBLE_USERNAME and MARBLE_PASSWORD.
+Binding to any address other than loopback requires MARBLE_USERNAME and MARBLE_PASSWORD (5 failed logins
+within 5 minutes lock that user name out for 5 minutes), and so does a public share link (GRADIO_SHARE=true):
+without the login the share link is refused, never opened.
 """
 
 from __future__ import annotations
@@ -16,15 +18,23 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def main() -> int:
     host = os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1")
-    port = int(os.environ.get("GRADIO_SERVER_PORT", "7860"))
+    port_text = os.environ.get("GRADIO_SERVER_PORT", "7860")
+    if not (port_text.isdigit() and 1 <= int(port_text) <= 65535):
+        print(f"error: GRADIO_SERVER_PORT={port_text!r}: must be a port number in [1, 65535]", file=sys.stderr)
+        return 2
+    port = int(port_text)
+    share = os.environ.get("GRADIO_SHARE", "").strip().lower() in ("1", "true", "yes")
     auth = None
-    if host not in LOOPBACK:
+    if host not in LOOPBACK or share:
         user, password = os.environ.get("MARBLE_USERNAME"), os.environ.get("MARBLE_PASSWORD")
         if not user or not password:
-            print(f"error: serving on {host} (not loopback) needs a login: set MARBLE_USERNAME and "
-                  f"MARBLE_PASSWORD", file=sys.stderr)
+            why = "GRADIO_SHARE=true (a public share link)" if share else f"serving on {host} (not loopback)"
+            print(f"error: {why} needs a login: set MARBLE_USERNAME and MARBLE_PASSWORD", file=sys.stderr)
             return 2
-        auth = (user, password)
+        from app.auth import LoginGuard
+
+        auth = LoginGuard(user, password)  # locks a user name out after repeated failed logins
+        os.environ["MARBLE_EXPOSED"] = "1"  # the New-run form offers known models only (app/forms.py)
     from app import context
     from app.main import STATIC, build_app, css
     from jobs.runner import ensure_worker
@@ -34,7 +44,7 @@ def main() -> int:
     demo = build_app()
     demo.queue(default_concurrency_limit=8)
     print(f"MARBLE Studio on http://{host}:{port}  (data: {store.home})", flush=True)
-    demo.launch(server_name=host, server_port=port, auth=auth, css=css(), allowed_paths=[str(store.home)],
+    demo.launch(server_name=host, server_port=port, auth=auth, share=share and auth is not None, css=css(), allowed_paths=[str(store.home)],
                 favicon_path=str(STATIC / "logo.svg"), footer_links=[], show_error=True)
     return 0
 

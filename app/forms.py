@@ -52,7 +52,25 @@ def _field_docs() -> dict[tuple[str, str], str]:
     return docs
 
 
+def exposed() -> bool:
+    """True when the app serves beyond loopback (app/__main__.py sets MARBLE_EXPOSED with the login)."""
+    import os
+
+    return os.environ.get("MARBLE_EXPOSED") == "1"
+
+
+def allowed_models() -> list[str]:
+    """What model.name may be when exposed: the presets' built-in models and the repos in the local HF cache.
+    A free path would let a web user probe which server paths exist (its error says whether it is there)."""
+    from core.cache import cached_repos
+
+    names = {preset(n).model.name for n in available_presets()}
+    return sorted(n for n in names if "/" not in n) + cached_repos()
+
+
 def _choices(path: str) -> tuple[str, ...]:
+    if path == "model.name" and exposed():
+        return tuple(allowed_models())
     if path == "balance.strategy":
         from core.balancing import available_balancers
 
@@ -173,6 +191,13 @@ def build_config(preset_name: str, values: dict[str, Any], rewards: list[str], w
     data["balance"]["stages"] = parse_stages(stages_text)
     data["balance"]["single_reward"] = single_reward or None
     data["prompts"]["sources"] = list(sources)
+    if exposed() and data["model"]["name"] not in allowed_models():
+        raise ConfigError("model.name", data["model"]["name"], f"this server is reachable from the network, so "
+                          f"only known models are offered: {', '.join(allowed_models())}")
+    files = [x for x in data["prompts"]["sources"] if str(x).startswith("file:")]
+    if exposed() and files:
+        raise ConfigError("prompts.sources", files[0], "this server is reachable from the network, so only the "
+                          "registered prompt sources are offered (file: paths are for the CLI)")
     return TrainConfig.from_dict(data)
 
 

@@ -20,3 +20,16 @@ def model_available(name: str) -> bool:
         return True
     folder = Path(hf_cache_dir()) / ("models--" + name.replace("/", "--")) / "snapshots"
     return folder.is_dir() and any(folder.iterdir())
+
+
+def cached_repos() -> list[str]:
+    """Repo ids ("org/name") with a snapshot in the local Hugging Face cache, sorted."""
+    root = Path(hf_cache_dir())
+    if not root.is_dir():
+        return []
+    out = []
+    for d in root.glob("models--*--*"):
+        snaps = d / "snapshots"
+        if snaps.is_dir() and any(snaps.iterdir()):
+            out.append(d.name[len("models--"):].replace("--", "/", 1))
+    return sorted(out)

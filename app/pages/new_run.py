@@ -35,7 +35,10 @@ def start(preset_name: str, run_name: str, rewards: list[str], weights: str, sta
                            single, sources)
     except ConfigError as e:
         return f"**Not started.** `{e}`", ""
-    run_id = submit(context.store(), cfg, preset=preset_name, name=(run_name or "").strip() or None)
+    try:  # the queue's preflight: memory, rewards without prompts, reward servers, name length
+        run_id = submit(context.store(), cfg, preset=preset_name, name=(run_name or "").strip() or None)
+    except ValueError as e:
+        return f"**Not started.** `{e}`", ""
     ensure_worker(context.store())
     return "", f"Queued run **#{run_id}** ({cfg.balance.strategy}, {cfg.steps} steps). Open it in *Dashboard*."
 
@@ -71,6 +74,15 @@ def start_study(preset_name: str, run_name: str, rewards: list[str], weights: st
     def name(c) -> str:
         return f"{label} · {c.balance.strategy}" + (f" · seed {c.seed}" if n_seeds > 1 else "")
 
+    from core.preflight import check_run
+
+    try:  # every run checked before any is queued
+        if len(label) > 160:
+            raise ValueError(f"study name={label[:40]!r}... ({len(label)} characters): at most 160 characters")
+        for c in configs[::n_seeds]:
+            check_run(c)
+    except ValueError as e:
+        return f"**Not started.** `{e}`", ""
     ids = [submit(context.store(), c, preset=preset_name, name=name(c)) for c in configs]
     ensure_worker(context.store())
     each = "one per strategy" if n_seeds == 1 else f"{n_seeds} seeds per strategy"

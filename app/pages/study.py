@@ -5,7 +5,6 @@ button)."""
 from __future__ import annotations
 
 import math
-import tempfile
 from typing import Any
 
 import gradio as gr
@@ -87,6 +86,18 @@ def _placeholder_tables() -> tuple[pd.DataFrame, pd.DataFrame]:
     return pd.DataFrame({"runs": [EMPTY_HINT]}), pd.DataFrame({"strategies": ["(none picked yet)"]})
 
 
+def study_csv_path(run_ids: list[int]) -> str:
+    """One CSV per set of runs in the data directory's exports/ folder, rewritten by each render (a temp file per
+    render piled up in the system's temp folder, one per timer tick and pick)."""
+    import hashlib
+
+    folder = context.store().home / "exports"
+    folder.mkdir(exist_ok=True)
+    key = ",".join(str(r) for r in sorted(set(run_ids)))
+    label = key if len(key) <= 40 else hashlib.sha1(key.encode()).hexdigest()[:12]
+    return str(folder / f"study_{label.replace(',', '-')}.csv")
+
+
 def render(run_ids: list[int], x_reward: str | None, y_reward: str | None):
     if not run_ids:
         empty = plots.empty_figure("Study", EMPTY_HINT)
@@ -97,7 +108,7 @@ def render(run_ids: list[int], x_reward: str | None, y_reward: str | None):
     y = y_reward if y_reward in names else (names[1] if len(names) > 1 else x)
     pareto = plots.pareto_scatter(points, x, y) if x else plots.empty_figure("Pareto", "No rewards.")
     overlay = plots.alpha_overlay(points, names)
-    path = tempfile.NamedTemporaryFile(prefix="marble_study_", suffix=".csv", delete=False).name
+    path = study_csv_path([int(r) for r in run_ids])
     df.to_csv(path, index=False)
     return (df.round(4), by_strategy(df), pareto, overlay, gr.update(choices=names, value=x),
             gr.update(choices=names, value=y), path)
