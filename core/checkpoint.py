@@ -36,6 +36,7 @@ MANIFEST_FILE = "manifest.json"
 STATE_TENSORS_FILE = "training_state.safetensors"
 STATE_JSON_FILE = "training_state.json"
 LORA_FILE = "pytorch_lora_weights.safetensors"
+EMA_FOLDER = "ema"  # the parameter EMA's LoRA, a diffusers LoRA folder inside a checkpoint (issue 15)
 LEGACY_STATE_FILE = "training_state.pt"  # a pickle (before issue 17): never loaded
 FORMAT = 1
 TMP_PREFIX = ".tmp_step_"

@@ -326,6 +326,11 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     """Max global gradient norm; 0 disables clipping."""
+    ema_decay: float = 0.9
+    """Decay of the LoRA parameter EMA (the release: train.ema with ema_decay 0.9); its weights are saved in each
+    checkpoint's ema/ folder and are what evaluation, Compare and core.sample load by default. The decay
+    warms up as min((1 + k)/(10 + k), ema_decay) at optimizer step k, as the release's EMAModuleWrapper does.
+    0 disables the EMA."""
 
     def validate(self, prefix: str = "optim") -> None:
         _require(_is_number(self.lr) and self.lr > 0, f"{prefix}.lr", self.lr, "must be a number > 0")
@@ -335,6 +340,8 @@ class OptimConfig:
         _require(_is_number(self.weight_decay) and self.weight_decay >= 0, f"{prefix}.weight_decay",
                  self.weight_decay, "must be a number >= 0")
         _require(_is_number(self.eps) and self.eps > 0, f"{prefix}.eps", self.eps, "must be a number > 0")
+        _require(_is_number(self.ema_decay) and 0 <= self.ema_decay < 1, f"{prefix}.ema_decay", self.ema_decay,
+                 "must be a number in [0, 1) (0 = no parameter EMA)")
         _require(_is_number(self.grad_clip) and self.grad_clip >= 0, f"{prefix}.grad_clip", self.grad_clip,
                  "must be a number >= 0 (0 = no clipping)")
 

@@ -43,8 +43,13 @@ class EvalSettings:
     seeds_per_prompt: int = 4
     num_steps: int | None = None
     guidance_scale: float | None = None
+    weights: str = "ema"
+    """Which LoRA of a checkpoint: "ema" (the parameter EMA, as the release evaluates; a checkpoint without
+    one gives its raw weights) or "raw"."""
 
     def validate(self) -> None:
+        if self.weights not in ("ema", "raw"):
+            raise ValueError(f"--weights={self.weights!r}: valid choices: ema, raw")
         if self.split not in ("train", "test"):
             raise ValueError(f"--prompts={self.split!r}: valid choices: train, test")
         if self.prompts_per_source < 1 or self.seeds_per_prompt < 1:
@@ -166,7 +171,8 @@ class BaseEvaluation:
 
 def _key(config, settings: EvalSettings) -> dict:
     s = config.sampling
-    return {"model": config.model.name, "sources": list(config.prompts.sources), **asdict(settings),
+    shared = {k: v for k, v in asdict(settings).items() if k != "weights"}  # the base model has no LoRA
+    return {"model": config.model.name, "sources": list(config.prompts.sources), **shared,
             "num_steps": settings.num_steps or s.num_steps,
             "guidance_scale": settings.guidance_scale if settings.guidance_scale is not None else s.guidance_scale,
             "resolution": s.resolution, "max_sequence_length": s.max_sequence_length}
@@ -201,11 +207,11 @@ def evaluate_run(run_dir: str | Path, settings: EvalSettings, base: BaseEvaluati
     ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir)
     t0 = time.perf_counter()
     pipe = load_pipeline(config.model.name)
-    load_lora(pipe, ckpt)
+    weights = load_lora(pipe, ckpt, settings.weights)
     images = generate(pipe, base.items, settings, config)
     scores = score_all(images, base.items, settings, base.reward_names)
     result = {
-        "run": str(run_dir), "checkpoint": str(ckpt), "strategy": config.balance.strategy,
+        "run": str(run_dir), "checkpoint": str(ckpt), "weights": weights, "strategy": config.balance.strategy,
         "train_rewards": config.reward_names, "settings": base.key, "images": len(images),
         **compare(base.scores, scores, config.reward_names),
         "by_source": {"base": by_source(base.scores, base.items, settings),
@@ -456,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the run's)")
     ap.add_argument("--checkpoint", help="--run: a checkpoint folder instead of the last one")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--weights", default="ema", choices=("ema", "raw"),
+                    help="a checkpoint's parameter-EMA LoRA (default; raw when it has none) or its raw LoRA")
     args = ap.parse_args(argv)
     try:
         _check_args(args)
@@ -465,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    settings = EvalSettings(args.prompts, args.prompts_per_source, args.seeds, args.num_steps, args.guidance)
+    settings = EvalSettings(args.prompts, args.prompts_per_source, args.seeds, args.num_steps, args.guidance,
+                            args.weights)
     try:
         if args.run:
             print(run_table(evaluate_run(args.run, settings, checkpoint=args.checkpoint)))

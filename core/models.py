@@ -182,8 +182,13 @@ def load_pipeline(name: str, dtype: str = "float32", device: str = "cpu"):
     return pipe
 
 
-def load_lora(pipe, directory: str | Path) -> None:
-    """Load a checkpoint's LoRA (``save_diffusers_lora``'s format) into ``pipe``.
+LORA_WEIGHTS = ("ema", "raw")
+
+
+def load_lora(pipe, directory: str | Path, weights: str = "ema") -> str:
+    """Load a checkpoint's LoRA (``save_diffusers_lora``'s format) into ``pipe``; returns which weights it
+    loaded: "ema" (the parameter EMA in the checkpoint's ema/ folder, the default, as the release evaluates)
+    or "raw" (the optimizer's weights; also what a checkpoint without an EMA gives).
 
     Our adapters are transformer-only, so they go straight into the transformer: ``load_lora_weights``
     would also try both text encoders and log a "No LoRA keys associated to ..." warning for each. A file
@@ -191,11 +196,16 @@ def load_lora(pipe, directory: str | Path) -> None:
 
     Only the safetensors file is read (never a pickled ``.bin``). A folder with a manifest (every checkpoint
     this program writes) is checked against it first: a damaged file raises CheckpointError naming it."""
-    from core.checkpoint import LORA_FILE, MANIFEST_FILE, CheckpointError, verify
+    from core.checkpoint import EMA_FOLDER, LORA_FILE, MANIFEST_FILE, CheckpointError, verify
 
+    if weights not in LORA_WEIGHTS:
+        raise ValueError(f"weights={weights!r}: valid choices: {', '.join(LORA_WEIGHTS)}")
     directory = Path(directory)
     if (directory / MANIFEST_FILE).exists():
-        verify(directory)
+        verify(directory)  # the manifest covers ema/ too
+    loaded = "raw"
+    if weights == "ema" and (directory / EMA_FOLDER / LORA_FILE).is_file():
+        directory, loaded = directory / EMA_FOLDER, "ema"
     if not (directory / LORA_FILE).is_file():
         raise CheckpointError(f"{str(directory)!r} holds no {LORA_FILE} (LoRA weights are read only from "
                               f"safetensors; pass a checkpoint folder such as RUN/checkpoints/step_000010)")
@@ -205,6 +215,7 @@ def load_lora(pipe, directory: str | Path) -> None:
         pipe.load_lora_into_transformer(state, transformer=pipe.transformer, metadata=metadata, _pipeline=pipe)
     else:
         pipe.load_lora_weights(str(directory), weight_name=LORA_FILE, use_safetensors=True)
+    return loaded
 
 
 def resolve_device(device: str) -> torch.device:

@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resolution", type=int, default=64)
     parser.add_argument("--max-sequence-length", type=int, default=77)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--weights", default="ema", choices=["ema", "raw"],
+                        help="--lora's parameter-EMA LoRA (its ema/ folder; default, raw when absent) or its raw LoRA")
     args = parser.parse_args(argv)
     try:
         out = _check_args(args)
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             if not (lora / "pytorch_lora_weights.safetensors").is_file():
                 raise FileNotFoundError(f"--lora {str(lora)!r} holds no pytorch_lora_weights.safetensors; pass a "
                                         f"checkpoint folder such as RUN/checkpoints/step_000010")
-            load_lora(pipe, lora)
+            print(f"LoRA: {load_lora(pipe, lora, args.weights)} weights of {lora}")
     except (ModelNotFoundError, FileNotFoundError, ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -44,6 +44,7 @@ from core.sampling import Rollout, decode_latents, encode_prompts, generate_late
 
 log = logging.getLogger(__name__)
 
+EMA_FOLDER = ckpt_io.EMA_FOLDER
 STATE_FILE = ckpt_io.STATE_TENSORS_FILE  # + training_state.json and manifest.json (core.checkpoint)
 # Fields that may change when a run is resumed; anything else must match the checkpoint.
 RESUMABLE_CHANGES = ("steps", "checkpoint_every", "sample_every", "num_threads")
@@ -160,6 +161,9 @@ class Trainer:
         self.prompts = PromptSampler(config.prompts.sources, config.prompts.split)
         self.sigmas = sampler_sigmas(self.pipe, config.sampling.num_steps)[:-1]  # σ grid without the final 0
         self.step = 0
+        # θ_ema of the LoRA parameters (OptimConfig.ema_decay; None when off), starting at the initial adapter
+        self.ema = (None if config.optim.ema_decay == 0 else
+                    {n: p.detach().clone() for n, p in self.policy.named_trainable.items()})
 
     # ---- events -----------------------------------------------------------------------------------
     def emit(self, event: Event) -> None:
@@ -408,7 +412,34 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         nft = self.config.nft
         self.policy.soft_update_old(min(nft.old_decay_rate * step, nft.old_decay_max))
+        self._update_parameter_ema(step + 1)
         return grad_norm
+
+    @torch.no_grad()
+    def _update_parameter_ema(self, k: int) -> None:
+        """θ_ema ← d·θ_ema + (1 − d)·θ after optimizer step k (1-based), d = min((1 + k)/(10 + k), ema_decay):
+        the release's EMAModuleWrapper schedule, updated once per optimizer step."""
+        if self.ema is None:
+            return
+        d = min((1 + k) / (10 + k), self.config.optim.ema_decay)
+        for n, p in self.policy.named_trainable.items():
+            self.ema[n].lerp_(p.detach(), 1.0 - d)
+
+    def save_ema_lora(self, directory: Path) -> None:
+        """The parameter EMA in the diffusers LoRA format (``directory``/pytorch_lora_weights.safetensors)."""
+        if self.ema is None:
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        params = self.policy.named_trainable
+        raw = {n: p.detach().clone() for n, p in params.items()}
+        with torch.no_grad():
+            try:
+                for n, p in params.items():
+                    p.copy_(self.ema[n])
+                self.policy.save_diffusers_lora(directory)
+            finally:
+                for n, p in params.items():
+                    p.copy_(raw[n])
 
     def _diagnostics(self, g: torch.Tensor, update: torch.Tensor, phase: str, decision, step: int) -> dict:
         """Gram/cosine matrix of the per-reward gradients and each one's cosine with the applied update."""
@@ -468,6 +499,7 @@ class Trainer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             self.policy.save_diffusers_lora(tmp)
+            self.save_ema_lora(tmp / EMA_FOLDER)  # beside the raw LoRA: what evaluation loads by default
             tensors, meta = self.training_state()
             ckpt_io.save_state(tmp, tensors, meta)
             self.config.save(tmp / "config.json")
@@ -489,7 +521,9 @@ class Trainer:
         prefix or a JSON key here and read it back in :meth:`load_checkpoint`."""
         opt_tensors, opt_meta = ckpt_io.split_optimizer_state(self.optimizer.state_dict())
         tensors = {**ckpt_io.with_prefix("policy/", self.policy.lora_state("policy")),
-                   **ckpt_io.with_prefix("old/", self.policy.lora_state("old")), **opt_tensors}
+                   **ckpt_io.with_prefix("old/", self.policy.lora_state("old")), **opt_tensors,
+                   **({} if self.ema is None else ckpt_io.with_prefix("ema/", {n: t.detach().cpu().clone()
+                                                                                 for n, t in self.ema.items()}))}
         meta = {"step": self.step, "config": self.config.to_dict(), "balancer": self.balancer.state_dict(),
                 "optimizer": opt_meta}
         return tensors, meta
@@ -505,10 +539,20 @@ class Trainer:
             self.policy.load_lora_state(ckpt_io.strip_prefix("policy/", tensors), ckpt_io.strip_prefix("old/", tensors))
             self.optimizer.load_state_dict(ckpt_io.join_optimizer_state(tensors, meta["optimizer"]))
             self.balancer.load_state_dict(meta["balancer"])
+            if self.ema is not None:
+                self._load_parameter_ema(ckpt_io.strip_prefix("ema/", tensors))
             self.step = int(meta["step"])
         except (KeyError, TypeError) as e:
             raise ckpt_io.CheckpointError(f"{str(path / ckpt_io.STATE_JSON_FILE)!r} lacks what a resume needs "
                                           f"({type(e).__name__}: {e})") from None
+
+    @torch.no_grad()
+    def _load_parameter_ema(self, ema: dict[str, torch.Tensor]) -> None:
+        if set(ema) != set(self.ema):
+            raise ckpt_io.CheckpointError(f"the checkpoint's parameter EMA does not match this model's LoRA layout "
+                                          f"({len(ema)} tensors for {len(self.ema)} parameters)")
+        for n, t in self.ema.items():
+            t.copy_(ema[n].to(t.device))
 
     def _resolve_resume(self, resume_from: Path) -> Path:
         """A checkpoint folder as given (verified on load), or a run folder's newest checkpoint that verifies;

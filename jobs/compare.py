@@ -33,6 +33,9 @@ def validate_request(entries: list[dict], prompts: list[str], seeds: list[int]) 
         raise ValueError("compare: enter at least one prompt, one per line")
     if not seeds or len(seeds) > 16 or any(not isinstance(s, int) or s < 0 for s in seeds):
         raise ValueError(f"compare: seeds must be 1-16 integers >= 0 (got {seeds!r})")
+    for e in entries:
+        if e.get("weights", "ema") not in ("ema", "raw"):
+            raise ValueError(f"compare: entry {e.get('label')!r} weights={e.get('weights')!r}: valid choices: ema, raw")
     if len(prompts) * len(seeds) * len(entries) > 512:
         raise ValueError("compare: at most 512 images per comparison (prompts x seeds x entries)")
 
@@ -40,7 +43,8 @@ def validate_request(entries: list[dict], prompts: list[str], seeds: list[int]) 
 def start_comparison(store: Store, name: str, entries: list[dict], prompts: list[str], seeds: list[int],
                      num_steps: int = 10, guidance_scale: float = 1.0, spawn: bool = True) -> int:
     """Queue a comparison. ``entries``: ``{"label", "model", "lora" (checkpoint folder or None),
-    "run_id" (or None), "rewards": [reward configs]}``. Returns the comparison id."""
+    "run_id" (or None), "rewards": [reward configs], optional "weights": "ema" (default: the checkpoint's
+    parameter EMA) or "raw"}``. Returns the comparison id."""
     validate_request(entries, prompts, seeds)
     settings = {"entries": entries, "prompts": prompts, "seeds": seeds, "num_steps": int(num_steps),
                 "guidance_scale": float(guidance_scale)}
@@ -81,7 +85,7 @@ def run_comparison(store: Store, comparison_id: int) -> dict:
     for j, entry in enumerate(st["entries"]):
         pipe = load_pipeline(entry["model"], "float32", "cuda" if torch.cuda.is_available() else "cpu")
         if entry.get("lora"):
-            load_lora(pipe, entry["lora"])
+            load_lora(pipe, entry["lora"], entry.get("weights", "ema"))  # the parameter EMA unless "raw"
         images = generate_images(pipe, [p for p, _ in pairs], [s for _, s in pairs], st["num_steps"],
                                  st["guidance_scale"], entry.get("resolution", 64),
                                  entry.get("max_sequence_length", 8))

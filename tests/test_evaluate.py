@@ -82,6 +82,10 @@ def test_run_evaluation_scores_base_and_checkpoint_on_held_out_prompts(runs, cap
     # the checkpoint's LoRA really is applied: the images (hence a continuous reward) moved
     assert rows["colorfulness"]["mean"] != rows["colorfulness"]["base_mean"]
     assert set(result["by_source"]["run"]) == set(WORLD)
+    assert result["weights"] == "ema"  # the checkpoint's parameter EMA, by default
+    assert main(["--run", str(runs[0]), "--prompts-per-source", "2", "--seeds", "2", "--weights", "raw"]) == 0
+    raw = json.loads((runs[0] / "eval_test.json").read_text())
+    assert raw["weights"] == "raw" and raw["rewards"]["colorfulness"]["mean"] != rows["colorfulness"]["mean"]
 
 
 def test_study_writes_the_table_and_figures_from_the_runs_own_logs(runs, tmp_path, capsys):

@@ -229,3 +229,44 @@ def test_amortized_units_train_with_either_combination(tmp_path, combination):
     finally:
         trainer_module.amortized_objective = original
     assert seen and set(seen) == {combination}
+
+
+def test_the_parameter_ema_follows_the_releases_schedule_and_is_what_evaluation_loads_by_default(tmp_path):
+    from peft.utils import get_peft_model_state_dict
+
+    from core.models import load_lora, load_pipeline
+
+    trainer = Trainer(small_config("equal", steps=2, **{"optim.ema_decay": 0.9}), tmp_path)
+    theta = [_lora(trainer)]
+    trainer.on_event = lambda e: theta.append(_lora(trainer)) if e.kind == "step" else None
+    trainer.run()
+    expected = dict(theta[0])
+    for k in (1, 2):  # θ_ema ← d·θ_ema + (1 − d)·θ_k, d = min((1 + k)/(10 + k), 0.9)
+        d = min((1 + k) / (10 + k), 0.9)
+        expected = {n: d * expected[n] + (1 - d) * theta[k][n] for n in expected}
+    assert all(torch.allclose(trainer.ema[n], expected[n], atol=1e-7) for n in expected)
+    assert any(not torch.allclose(trainer.ema[n], theta[2][n]) for n in expected)  # EMA ≠ raw
+
+    ckpt = tmp_path / "checkpoints" / "step_000002"
+    assert (ckpt / "ema" / "pytorch_lora_weights.safetensors").is_file()
+    assert (ckpt / "pytorch_lora_weights.safetensors").is_file()
+
+    def norms(tensors):  # the adapter's tensors, named differently by peft and by us: compare their norms
+        return torch.tensor(sorted(float(t.double().norm()) for t in tensors))
+
+    def loaded(weights):
+        pipe = load_pipeline("tiny")
+        which = load_lora(pipe, ckpt, *([weights] if weights else []))
+        adapter = next(iter(pipe.transformer.peft_config))
+        return which, norms(get_peft_model_state_dict(pipe.transformer, adapter_name=adapter).values())
+
+    which, got = loaded(None)
+    assert which == "ema" and torch.allclose(got, norms(trainer.ema.values()), rtol=1e-5)
+    which, got = loaded("raw")
+    assert which == "raw" and torch.allclose(got, norms(theta[2].values()), rtol=1e-5)
+    assert not torch.allclose(norms(trainer.ema.values()), norms(theta[2].values()), rtol=1e-5)
+
+    # a resumed run carries the EMA on
+    resumed = Trainer(small_config("equal", steps=2, **{"optim.ema_decay": 0.9}), tmp_path / "again")
+    resumed.load_checkpoint(ckpt)
+    assert all(torch.equal(resumed.ema[n], trainer.ema[n]) for n in expected)
