@@ -20,9 +20,11 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 
+from core.checkpoint import CheckpointError, is_disk_full
 from jobs import schema as s
 from jobs.paths import LOG_FILE
 from jobs.storage import Store
@@ -85,7 +87,9 @@ def process_key(pid: int) -> str | None:
 
 
 def _log_event(event) -> None:
-    if event.kind == "step":
+    if event.kind == "notice":
+        log.warning("%s", event.message)
+    elif event.kind == "step":
         rewards = " ".join(f"{k}={v:.4g}" for k, v in event.rewards.items() if v == v)
         log.info("step %d phase=%s loss=%.4g %s (%.2fs)", event.step, event.phase, event.loss, rewards, event.seconds)
     elif event.kind in ("start", "checkpoint", "end"):
@@ -112,11 +116,10 @@ def execute(store: Store, run_id: int, heartbeat_seconds: float | None = None) -
 
         config = TrainConfig.from_dict(run.config)
         resume_from = None
-        if run.attempt > 1:  # a resume: continue from the last checkpoint the database recorded
-            ckpt = store.latest_checkpoint(run_id)
-            after = ckpt["step"] if ckpt else 0
+        if run.attempt > 1:  # a resume: continue from the last recorded checkpoint that verifies
+            resume_from = _resume_point(store, run_id, on_event)
+            after = 0 if resume_from is None else int(resume_from.name.removeprefix("step_"))
             dropped = store.truncate_after(run_id, after)
-            resume_from = Path(ckpt["path"]) if ckpt else None
             log.info("attempt %d: resuming from %s (dropped %d rows after step %d)", run.attempt,
                      resume_from or "the start", dropped, after)
         from core.trainer import train
@@ -136,14 +139,51 @@ def execute(store: Store, run_id: int, heartbeat_seconds: float | None = None) -
         store.finish(run_id, status, error=None if cancelled else "terminated by SIGTERM", exit_code=-signal.SIGTERM)
     except Exception as e:  # noqa: BLE001 - every failure ends the job with its error text
         monitor.close()
-        log.error("job failed:\n%s", traceback.format_exc())
-        _flush_quietly(writer)
         status = s.FAILED
-        store.finish(run_id, status, error=f"{type(e).__name__}: {e}")
+        error = f"{type(e).__name__}: {e}"
+        if is_disk_full(e):  # one clear line, not a traceback per write that failed
+            error = f"no space left on device: {error}"
+            log.error("job failed: %s", error)
+        elif isinstance(e, CheckpointError):  # says which file and why; a traceback adds nothing
+            log.error("job failed: %s", error)
+        else:
+            log.error("job failed:\n%s", traceback.format_exc())
+        _flush_quietly(writer)
+        _finish_failed(store, run_id, error)
     finally:
         monitor.close()
     log.info("run %d %s", run_id, status)
     return status
+
+
+def _resume_point(store: Store, run_id: int, on_event) -> Path | None:
+    """The newest recorded checkpoint whose files match its manifest; newer damaged or partial ones are
+    skipped and reported (job log + a notice event). CheckpointError, naming the files, when none is good."""
+    from core.checkpoint import pick
+    from core.events import NoticeEvent
+
+    recorded = [Path(c["path"]) for c in store.checkpoints(run_id) if c["exists"]]
+    if not recorded:
+        return None
+    chosen, skipped = pick(recorded)
+    for folder, reason in skipped:
+        on_event(NoticeEvent(step=0, message=f"resume: skipped checkpoint {folder.name} ({reason}); "
+                                             f"resuming from {chosen.name}"))
+    return chosen
+
+
+def _finish_failed(store: Store, run_id: int, error: str, tries: int = 5) -> None:
+    """Record the failure, retrying briefly: on a full disk the database may need a moment (the failed
+    checkpoint's temp folder is deleted first, which gives its space back)."""
+    for i in range(tries):
+        try:
+            store.finish(run_id, s.FAILED, error=error)
+            return
+        except Exception as e:  # noqa: BLE001
+            if i == tries - 1:
+                raise
+            log.warning("could not record the failure yet (%s); retrying", e)
+            time.sleep(0.5 * 2 ** i)
 
 
 def _flush_quietly(writer: EventWriter) -> None:

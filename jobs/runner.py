@@ -131,23 +131,40 @@ def run_immediately(store: Store, run_id: int) -> str:
         handler.close()
 
 
-def resume(store: Store, run_id: int, *, steps: int | None = None, immediate: bool = False) -> int:
-    """Queue a stopped run again; it continues from its last recorded checkpoint. ``steps`` extends the
-    run (the only config change allowed)."""
+def resume(store: Store, run_id: int, *, steps: int | None = None, from_step: int | None = None,
+           immediate: bool = False) -> int:
+    """Queue a stopped run again; it continues from its last recorded checkpoint that verifies, or from the
+    one at ``from_step`` (checked now; the rows after it are dropped). ``steps`` extends the run (the only
+    config change allowed)."""
     config = None
+    if from_step is not None:
+        _check_from_step(store, run_id, from_step)
     if steps is not None:
         from core.config import TrainConfig
 
         ckpt = store.latest_checkpoint(run_id)
-        start = ckpt["step"] if ckpt else 0
+        start = from_step if from_step is not None else (ckpt["step"] if ckpt else 0)
         if steps <= start:
             raise ValueError(f"steps={steps}: run {run_id} resumes from its checkpoint at step {start}; "
                              f"ask for more steps than that")
         config = TrainConfig.from_dict(store.get_run(run_id).config).with_overrides({"steps": steps}).to_dict()
-    store.requeue(run_id, config=config, total_steps=steps)
+    store.requeue(run_id, config=config, total_steps=steps, from_step=from_step)
     if immediate:
         run_immediately(store, run_id)
     return run_id
+
+
+def _check_from_step(store: Store, run_id: int, step: int) -> None:
+    """``--from-step``: a recorded checkpoint at that step whose files match its manifest."""
+    from core.checkpoint import verify
+
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"from_step={step!r}: must be the step of one of the run's checkpoints (an integer >= 1)")
+    recorded = {c["step"]: c for c in store.checkpoints(run_id) if c["exists"]}
+    if step not in recorded:
+        have = ", ".join(map(str, sorted(recorded))) or "none"
+        raise ValueError(f"from_step={step}: run {run_id} has no checkpoint at step {step} (its checkpoints: {have})")
+    verify(recorded[step]["path"])  # CheckpointError (a ValueError) names the damaged file
 
 
 # ---- processes ----------------------------------------------------------------------------------------
@@ -243,6 +260,8 @@ def mark_dead(store: Store, run: RunDetail, reason: str, exit_code: int | None =
     the error holds the reason and the tail of the job's log."""
     status = s.CANCELLED if run.cancel_requested else s.INTERRUPTED
     tail = store.log_tail(run.id, 30)
+    if not run.cancel_requested and "no space left on device" in tail.rsplit("=== attempt", 1)[-1].lower():
+        status, reason = s.FAILED, f"no space left on device: {reason}"  # the job could not record it itself
     error = reason + (f"\n--- last lines of {LOG_FILE} ---\n{tail}" if tail else "")
     done = store.finish(run.id, status, error=error, exit_code=exit_code)
     if done:
@@ -437,6 +456,12 @@ class Worker:
             self._lock_file.close()
             self._lock_file = None
 
+    def _backoff(self, failures: int) -> float:
+        """The loop's wait: the poll period, doubling per failed round in a row up to 60 s."""
+        if not failures:
+            return self.settings.poll_seconds
+        return min(max(60.0, self.settings.poll_seconds), self.settings.poll_seconds * 2 ** min(failures, 16))
+
     def stop(self, *_: Any) -> None:
         """Stop starting jobs and leave the loop; running jobs go on (a later worker adopts them)."""
         self._stopping = True
@@ -446,15 +471,24 @@ class Worker:
         self._acquire_lock()
         previous = {sig: signal.signal(sig, self.stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         log.info("worker %d serves %s with %d slot(s)", os.getpid(), self.store.home, self.slots)
+        failures = 0  # consecutive failed rounds: the wait grows, and only the first logs a traceback
         try:
             while not self._stopping:
                 try:
                     self.tick()
-                except Exception:  # noqa: BLE001 - e.g. the database is briefly unreachable: retry
-                    log.exception("worker: this round failed; trying again")
+                    if failures:
+                        log.info("worker: rounds succeed again after %d failed", failures)
+                    failures = 0
+                except Exception as e:  # noqa: BLE001 - e.g. the database is briefly unreachable: retry
+                    failures += 1
+                    if failures == 1:
+                        log.exception("worker: this round failed; trying again")
+                    elif failures in (2, 5) or failures % 20 == 0:
+                        log.warning("worker: %d rounds in a row failed (%s: %s); next try in %.0f s", failures,
+                                    type(e).__name__, e, self._backoff(failures))
                 if once and self.store.count_runs(s.ACTIVE) == 0:
                     break
-                time.sleep(self.settings.poll_seconds)
+                time.sleep(self._backoff(failures))
         finally:
             alive = sum(proc.poll() is None for proc in self.children.values())  # also reaps ended jobs
             for sig, handler in previous.items():

@@ -288,8 +288,11 @@ class Store:
                     cancel_requested=True, cancel_requested_at=time.time()))
             return status
 
-    def requeue(self, run_id: int, config: dict | None = None, total_steps: int | None = None) -> None:
-        """A stopped run back to queued, to resume from its last checkpoint (jobs.job does the rest)."""
+    def requeue(self, run_id: int, config: dict | None = None, total_steps: int | None = None,
+                from_step: int | None = None) -> None:
+        """A stopped run back to queued, to resume from its last checkpoint (jobs.job does the rest);
+        ``from_step``: from that checkpoint instead: the rows after it (and the later checkpoints' records)
+        are deleted in the same transaction."""
         r = s.runs.c
         with self._tx() as conn:
             row = conn.execute(select(r.status, r.step, r.total_steps).where(r.id == run_id)).first()
@@ -306,6 +309,10 @@ class Store:
                 values["config"] = config
             if total_steps is not None:
                 values["total_steps"] = total_steps
+            if from_step is not None:
+                for t in _PER_STEP_TABLES:
+                    conn.execute(delete(t).where(t.c.run_id == run_id, t.c.step > from_step))
+                values["step"] = min(row.step, from_step)
             conn.execute(update(s.runs).where(r.id == run_id, r.status == row.status).values(**values))
 
     def truncate_after(self, run_id: int, step: int) -> int:
