@@ -21,6 +21,7 @@ SAMPLER_SIGMAS = ("scheduler",)
 STD_MODES = ("global", "group")
 REFRESH_SCOPES = ("first_microbatch", "step")
 AMORTIZED_COMBINATIONS = ("masked", "authors")
+GRADIENT_PATHS = ("per_sample", "per_reward")
 DTYPES = ("float32", "bfloat16", "float16")
 LORA_TARGETS_SD3 = (
     "attn.to_q",
@@ -263,6 +264,12 @@ class BalanceConfig:
     with each ℓ_k the masked mean over the samples reward k applies to — the α the QP chose, applied as it
     chose it. "authors": the release's one NFT loss on Ā = Σ_k ᾱ_k·nan_to_num(A_k), averaged over every
     sample, which scales each specialist by its share n_k/B of the batch."""
+    gradients: str = "per_sample"
+    """How a harmonized or diagnostic unit gets its K per-reward gradients (core/per_sample.py).
+    "per_sample": two backward passes give every sample's LoRA gradient for L⁺ and L⁻, and each g_k is their
+    masked, r-weighted mean — the same gradients for any K at the cost of ~2 backward passes; falls back to
+    "per_reward" (and says so) when a unit's per-sample gradients would not fit in memory. "per_reward": one
+    backward pass per reward (K)."""
     single_reward: str | None = None
     """For strategy "single": the one reward that trains."""
     stages: list[StageConfig] = field(default_factory=list)
@@ -286,6 +293,8 @@ class BalanceConfig:
                  self.diagnose_every, "must be an integer >= 0")
         _require(self.amortized_combination in AMORTIZED_COMBINATIONS, f"{prefix}.amortized_combination",
                  self.amortized_combination, f"valid choices: {', '.join(AMORTIZED_COMBINATIONS)}")
+        _require(self.gradients in GRADIENT_PATHS, f"{prefix}.gradients", self.gradients,
+                 f"valid choices: {', '.join(GRADIENT_PATHS)}")
         if self.strategy == "single":
             _require(self.single_reward in reward_names, f"{prefix}.single_reward", self.single_reward,
                      f"strategy 'single' needs one of the run's rewards: {', '.join(reward_names)}")

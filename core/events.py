@@ -76,6 +76,7 @@ class BalanceEvent(Event):
     phase: str  # "full" or "diagnostic"
     update_norm: float = float("nan")
     solve_seconds: float = 0.0
+    gradients: str = "per_reward"  # how the g_k were formed: "per_sample" (2 backward passes) or "per_reward" (K)
 
 
 @dataclass

@@ -48,6 +48,21 @@ def jacobian_bytes(batch: int, num_params: int, dtype: torch.dtype = torch.float
     return 2 * batch * num_params * torch.empty((), dtype=dtype).element_size()
 
 
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for a unit's J now: the CUDA device's free memory, or the host's MemAvailable (None when
+    unknown, e.g. not Linux)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class PerSampleGradients:
     """Records per-sample gradients of ``params`` (LoRA weights of ``torch.nn.Linear`` layers of ``module``).
 

@@ -38,6 +38,7 @@ from core.events import (BalanceEvent, CheckpointEvent, EndEvent, Event, NoticeE
                          StepEvent)
 from core.loss import advantage_to_r, amortized_objective, kl_loss, nft_loss_terms, per_reward_objectives
 from core.models import Policy, VelocityInputs, load_pipeline
+from core.per_sample import PerSampleGradients, available_memory, jacobian_bytes, per_reward_gradients
 from core.prompts import PromptSampler
 from core.rewards import make_reward
 from core.sampling import Rollout, decode_latents, encode_prompts, generate_latents, sampler_sigmas
@@ -161,6 +162,7 @@ class Trainer:
         self.prompts = PromptSampler(config.prompts.sources, config.prompts.split)
         self.sigmas = sampler_sigmas(self.pipe, config.sampling.num_steps)[:-1]  # σ grid without the final 0
         self.step = 0
+        self.gradient_path, self._per_sample = self._choose_gradient_path()
         # θ_ema of the LoRA parameters (OptimConfig.ema_decay; None when off), starting at the initial adapter
         self.ema = (None if config.optim.ema_decay == 0 else
                     {n: p.detach().clone() for n, p in self.policy.named_trainable.items()})
@@ -216,8 +218,10 @@ class Trainer:
         return torch.stack(cols, dim=1)
 
     # ---- one unit's forward -----------------------------------------------------------------------
-    def _forward(self, batch: Rollout, idx: torch.Tensor, t: torch.Tensor, noise: torch.Tensor):
-        """L⁺, L⁻ and KL [b] for samples ``idx`` at σ = t [b], sharing one set of predictions."""
+    def _forward(self, batch: Rollout, idx: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,
+                 record: bool = False):
+        """L⁺, L⁻ and KL [b] for samples ``idx`` at σ = t [b], sharing one set of predictions. With ``record``
+        (a unit that needs the per-reward gradients, on the per-sample path) v_θ's forward is recorded."""
         nft = self.config.nft
         x0 = batch.x0[idx]
         t_dev = t.to(self.device)
@@ -226,7 +230,11 @@ class Trainer:
         emb = batch.embeddings
         inp = VelocityInputs(x_t, t_dev, emb.prompt_embeds[idx], emb.pooled[idx])
         v_old = self.policy.velocity_old(inp)
-        v_theta = self.policy.velocity(inp)
+        if record and self._per_sample is not None:
+            with self._per_sample.recording(len(idx), passes=2, device=self.device):
+                v_theta = self.policy.velocity(inp)
+        else:
+            v_theta = self.policy.velocity(inp)
         l_pos, l_neg = nft_loss_terms(v_theta, v_old, x_t, x0, t_dev, nft.nft_beta)
         if nft.kl_coef > 0:
             kl = kl_loss(v_theta, self.policy.velocity_ref(inp))
@@ -287,7 +295,7 @@ class Trainer:
             # Per-reward gradients never go through DDP's reducer: they are all-reduced by hand, once. So every
             # unit runs under no_sync() except the step's last amortized backward, which reduces all of .grad.
             with dist.sync_context(self.policy.train_module, sync=kind == "amortized" and ui == U - 1):
-                l_pos, l_neg, kl = self._forward(batch, idx, t, noise)
+                l_pos, l_neg, kl = self._forward(batch, idx, t, noise, record=kind != "amortized")
                 kl_total += kl.mean().item() / U
                 if kind == "harmonized":
                     unit_diag, loss = self._harmonized_unit(l_pos, l_neg, kl, r_rewards[idx], step, U, acc)
@@ -341,11 +349,32 @@ class Trainer:
         diagnose = bal.diagnose_every > 0 and step % bal.diagnose_every == 0
         return (["diagnostic"] if diagnose else ["amortized"]) + ["amortized"] * (U - 1)
 
+    def _choose_gradient_path(self) -> tuple[str, PerSampleGradients | None]:
+        """balance.gradients, or "per_reward" when a unit's per-sample gradients J [2b, P] would take more than
+        a quarter of the memory available now (the fallback is said in the log and in every BalanceEvent)."""
+        if self.config.balance.gradients != "per_sample":
+            return "per_reward", None
+        need = jacobian_bytes(self.micro_batch_size, self.policy.num_trainable)
+        free = available_memory(self.device)
+        if free is not None and need > free / 4:
+            log.warning("balance.gradients=per_sample: one unit's per-sample gradients need %.2f GB, more than a "
+                        "quarter of the %.2f GB available; using one backward pass per reward", need / 1e9, free / 1e9)
+            return "per_reward", None
+        return "per_sample", PerSampleGradients(self.policy.transformer, self.params)
+
     def _reward_gradients(self, l_pos, l_neg, kl, r):
-        """(g [K, P], ∇(λ_KL·KL) [P], ℓ_k [K]): K backward passes on one shared forward (graph kept)."""
+        """(g [K, P], ∇(λ_KL·KL) [P], ℓ_k [K]) on one shared forward (graph kept): from the unit's per-sample
+        gradients (two backward passes, core/per_sample.py) or from K backward passes."""
         nft = self.config.nft
         per_reward = per_reward_objectives(l_pos, l_neg, r, nft.nft_beta, nft.adv_clip_max)
-        g = torch.stack([self._grads(per_reward[k]) for k in range(len(self.reward_names))])
+        if self._per_sample is not None:
+            psg = self._per_sample
+            psg.backward(l_pos.sum(), 0)
+            psg.backward(l_neg.sum(), 1)
+            g = per_reward_gradients(psg.jacobian, r, nft.nft_beta, nft.adv_clip_max)
+            psg.release()
+        else:
+            g = torch.stack([self._grads(per_reward[k]) for k in range(len(self.reward_names))])
         g_kl = (self._grads(nft.kl_coef * kl.mean()) if nft.kl_coef > 0
                 else torch.zeros(g.shape[1], dtype=g.dtype, device=g.device))
         return g, g_kl, per_reward.detach().double()
@@ -462,7 +491,8 @@ class Trainer:
             cos_to_update={n: _cos(g[k], update) if valid[k] else float("nan") for k, n in enumerate(names)},
             grad_norms={n: float(norms[k]) for k, n in enumerate(names)},
             valid={n: bool(valid[k]) for k, n in enumerate(names)},
-            solver=solver, phase=phase, update_norm=float(update.norm()), solve_seconds=seconds)
+            solver=solver, phase=phase, update_norm=float(update.norm()), solve_seconds=seconds,
+            gradients=self.gradient_path)
 
     def _save_samples(self, batch: Rollout, indices: torch.Tensor, R: torch.Tensor, A: torch.Tensor) -> None:
         """The rollout images of this process (all of them in a 1-process run), named by global index.

@@ -3,6 +3,8 @@ the K-backward path's, in float64 on the tiny SD3 transformer with its LoRA."""
 
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -174,3 +176,52 @@ def test_a_trainable_tensor_that_is_not_a_linear_weight_is_refused():
 def test_jacobian_bytes_counts_two_rows_per_sample():
     assert jacobian_bytes(9, 19_000_000) == 2 * 9 * 19_000_000 * 4
     assert jacobian_bytes(2, 10, torch.float64) == 320
+
+
+def _one_step(tmp_path, gradients: str, strategy: str, **sets):
+    from core.trainer import Trainer
+    from tests.helpers import small_config
+
+    events = []
+    cfg = small_config(strategy, steps=1, **{"balance.gradients": gradients, "balance.diagnose_every": 1, **sets})
+    trainer = Trainer(cfg, tmp_path / gradients, events.append)
+    trainer.before = {n: p.detach().clone() for n, p in trainer.policy.named_trainable.items()}
+    trainer.train_step(0)
+    (balance,) = [e for e in events if e.kind == "balance"]
+    return trainer, balance
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,sets", [
+    ("marble_full", {"balance.refresh_scope": "step"}),  # every unit harmonized, one solve on their sum
+    ("marble", {}),  # the first unit harmonized, the rest amortized with the fresh ᾱ
+    ("weighted_sum", {}),  # a diagnostic unit: per-reward gradients measured against the strategy's update
+])
+def test_a_training_step_on_either_gradient_path_is_the_same_step(tmp_path, strategy, sets):
+    """The trainer on the per-sample path takes the step the K-backward path takes: same Gram (cosines,
+    norms), same α, same update, same LoRA after the optimizer step (float32: to rounding)."""
+    a, ev_a = _one_step(tmp_path, "per_sample", strategy, **sets)
+    b, ev_b = _one_step(tmp_path, "per_reward", strategy, **sets)
+    assert (ev_a.gradients, ev_b.gradients) == ("per_sample", "per_reward")
+    assert a.gradient_path == "per_sample"
+    for name in a.reward_names:
+        assert ev_a.grad_norms[name] == pytest.approx(ev_b.grad_norms[name], rel=1e-4)
+        assert ev_a.grad_norms[name] > 0
+        assert ev_a.cos_to_update[name] == pytest.approx(ev_b.cos_to_update[name], abs=1e-4)
+        assert ev_a.alpha_raw[name] == pytest.approx(ev_b.alpha_raw[name], abs=1e-4)
+    np.testing.assert_allclose(np.array(ev_a.cosine["matrix"]), np.array(ev_b.cosine["matrix"]), atol=1e-4)
+    assert ev_a.update_norm == pytest.approx(ev_b.update_norm, rel=1e-4)
+    moved = 0.0
+    for name, p in a.policy.named_trainable.items():
+        q = b.policy.named_trainable[name]
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+        moved = max(moved, float((p.detach() - a.before[name]).abs().max()))
+    assert moved > 0  # the step did change the adapter
+
+
+def test_an_unknown_gradient_path_is_refused_naming_the_field():
+    from core.config import ConfigError
+    from tests.helpers import small_config
+
+    with pytest.raises(ConfigError, match=r"balance\.gradients.*per_sample, per_reward"):
+        small_config("marble", **{"balance.gradients": "jacobian"})
