@@ -11,6 +11,7 @@ would stall every page.
 from __future__ import annotations
 
 import hmac
+import math
 import threading
 import time
 from collections import deque
@@ -26,10 +27,10 @@ LOCKOUT_SECONDS = 300.0
 class LockedOut(HTTPException):
     """Too many failed logins for this user name within the window."""
 
-    def __init__(self, username: str, seconds_left: float):
+    def __init__(self, username: str, seconds_left: float, guard: "LoginGuard"):
         super().__init__(status_code=429, detail=(
-            f"Too many failed logins for {username[:64]!r}: locked for {int(seconds_left) + 1} more seconds "
-            f"({MAX_FAILURES} failures within {int(WINDOW_SECONDS)} s lock the login for {int(LOCKOUT_SECONDS)} s)."))
+            f"Too many failed logins for {username[:64]!r}: locked for {math.ceil(seconds_left)} more seconds "
+            f"({guard.max_failures} failures within {guard.window:g} s lock the login for {guard.lockout:g} s)."))
 
 
 class LoginGuard:
@@ -51,7 +52,7 @@ class LoginGuard:
         with self._lock:
             until = self._locked_until.get(key, 0.0)
             if now < until:
-                raise LockedOut(key, until - now)
+                raise LockedOut(key, until - now, self)
             ok = hmac.compare_digest(key.encode(), self._user) & hmac.compare_digest((password or "").encode(),
                                                                                      self._password)
             if ok:

@@ -53,5 +53,9 @@ def writable_file(flag: str, path: Path, suffixes: tuple[str, ...]) -> Path:
         raise UsageError(f"{flag}={str(path)!r}: is a folder; give a file name")
     if path.exists() and not os.access(path, os.W_OK):
         raise UsageError(f"{flag}={str(path)!r}: the file is not writable by this user")
-    writable_dir(flag, path.parent) if str(path.parent) else None
+    base = _nearest_existing(path.parent)
+    if not base.is_dir():
+        raise UsageError(f"{flag}={str(path)!r}: {str(base)!r} is a file, so the image cannot be written under it")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag}={str(path)!r}: {str(base)!r} is not writable by this user")
     return path
