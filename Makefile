@@ -35,7 +35,13 @@ browser:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "note: /usr/bin/chromium is missing (sudo apt-get install chromium); browser tests will be skipped"; fi; }
 
-test: $(STAMP) browser
+# The optional experiment trackers (TrainConfig.report_to) for their offline tests; `make run` stays without them.
+$(VENV)/.installed-trackers: requirements-trackers.txt $(STAMP)
+	$(BIN)/python -m pip install --quiet -r requirements-trackers.txt
+	$(BIN)/python -m pip check
+	@touch $@
+
+test: $(STAMP) $(VENV)/.installed-trackers browser
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)

@@ -30,7 +30,7 @@ SECTION_TITLES = {"balance": "Strategy and MARBLE knobs", "model": "Model and Lo
 class FormField:
     path: str  # dotted config path, e.g. "balance.ema_rho"
     label: str
-    kind: str  # "int" | "float" | "bool" | "choice" | "text"
+    kind: str  # "int" | "float" | "bool" | "choice" | "multi" | "text"
     default: Any
     help: str
     choices: tuple[str, ...] = ()
@@ -76,7 +76,7 @@ def _choices(path: str) -> tuple[str, ...]:
 
         return tuple(available_balancers())
     return {"advantage.std_mode": cfgmod.STD_MODES, "balance.refresh_scope": cfgmod.REFRESH_SCOPES,
-            "model.dtype": cfgmod.DTYPES, "prompts.split": ("train", "test")}.get(path, ())
+            "model.dtype": cfgmod.DTYPES, "prompts.split": ("train", "test"), "report_to": cfgmod.TRACKERS}.get(path, ())
 
 
 def form_fields(base: TrainConfig | None = None) -> list[FormField]:
@@ -98,7 +98,7 @@ def form_fields(base: TrainConfig | None = None) -> list[FormField]:
             t = hints[f.name]
             choices = _choices(path)
             if choices:
-                kind = "choice"
+                kind = "multi" if isinstance(value, list) else "choice"  # multi: any subset, e.g. report_to
             elif t is bool:
                 kind = "bool"
             elif t is int:

@@ -23,6 +23,7 @@ REFRESH_SCOPES = ("first_microbatch", "step")
 AMORTIZED_COMBINATIONS = ("masked", "authors")
 GRADIENT_PATHS = ("per_sample", "per_reward")
 DTYPES = ("float32", "bfloat16", "float16")
+TRACKERS = ("wandb", "tensorboard", "trackio", "mlflow")  # report_to: mirrored by jobs/trackers.py
 LORA_TARGETS_SD3 = (
     "attn.to_q",
     "attn.to_k",
@@ -381,6 +382,10 @@ class TrainConfig:
     """Record the rollout images of every this many steps as sample events (0 = never)."""
     num_threads: int = 0
     """torch CPU threads (0 = torch's default)."""
+    report_to: list[str] = field(default_factory=list)
+    """Experiment trackers that mirror the run's scalars and samples, any of wandb, tensorboard, trackio, mlflow
+    (none by default; each needs its package: pip install -r requirements-trackers.txt). A tracker that fails
+    is logged once and never stops training."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -422,6 +427,9 @@ class TrainConfig:
                  "must be an integer >= 0")
         _require(_is_int(self.num_threads) and 0 <= self.num_threads <= limits.MAX_THREADS, "num_threads",
                  self.num_threads, f"must be an integer in [0, {limits.MAX_THREADS}] (0 = torch's default)")
+        _require(isinstance(self.report_to, list) and all(t in TRACKERS for t in self.report_to)
+                 and len(set(self.report_to)) == len(self.report_to), "report_to", self.report_to,
+                 f"must be a list of distinct trackers; valid choices: {', '.join(TRACKERS)}")
 
     # ---- serialization -------------------------------------------------------------------------
     def to_dict(self) -> dict:

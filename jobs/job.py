@@ -107,14 +107,22 @@ def execute(store: Store, run_id: int, heartbeat_seconds: float | None = None) -
     monitor.beat()
     monitor.start()
 
+    mirror = []  # the report_to trackers (jobs.trackers), started once the config is read
+
     def on_event(event) -> None:
         _log_event(event)
         writer(event)
+        for observer in mirror:
+            observer(event)  # queues only: never blocks nor raises
 
     try:
         from core.config import TrainConfig
 
         config = TrainConfig.from_dict(run.config)
+        if config.report_to:
+            from jobs.trackers import TrackerMirror
+
+            mirror.append(TrackerMirror(config.report_to, run.run_dir, run.name or f"run-{run_id}", run.config))
         resume_from = None
         if run.attempt > 1:  # a resume: continue from the last recorded checkpoint that verifies
             resume_from = _resume_point(store, run_id, on_event)
@@ -152,6 +160,8 @@ def execute(store: Store, run_id: int, heartbeat_seconds: float | None = None) -
         _finish_failed(store, run_id, error)
     finally:
         monitor.close()
+        for observer in mirror:
+            observer.close()
     log.info("run %d %s", run_id, status)
     return status
 

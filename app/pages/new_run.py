@@ -101,6 +101,8 @@ def _widget(f: FormField) -> gr.components.Component:
         return gr.Number(value=f.default, **common)
     if f.kind == "choice":
         return gr.Dropdown(choices=list(f.choices), value=f.default, **common)
+    if f.kind == "multi":
+        return gr.Dropdown(choices=list(f.choices), value=list(f.default), multiselect=True, **common)
     return gr.Textbox(value=str(f.default), **common)
 
 
