@@ -18,6 +18,7 @@ from typing import Any, Mapping
 from core import limits
 
 SAMPLER_SIGMAS = ("scheduler",)
+SAMPLERS = ("euler", "dpm2")  # core.sampling.SAMPLERS
 STD_MODES = ("global", "group")
 REFRESH_SCOPES = ("first_microbatch", "step")
 AMORTIZED_COMBINATIONS = ("masked", "authors")
@@ -132,6 +133,9 @@ class SamplingConfig:
 
     num_steps: int = 10
     """Denoising steps per rollout (the paper: 25). Also the grid of training timesteps (spec §2)."""
+    sampler: str = "euler"
+    """Rollout ODE solver: "euler" (the pipeline's flow-matching scheduler) or "dpm2" (deterministic second-order
+    DPM-Solver++ on flow sigmas, the authors' rollouts; its σ grid is also the training timesteps)."""
     guidance_scale: float = 1.0
     """Classifier-free guidance. The authors' rollouts are CFG-free (1.0)."""
     resolution: int = 64
@@ -154,6 +158,7 @@ class SamplingConfig:
     def validate(self, prefix: str = "sampling") -> None:
         _require(_is_int(self.num_steps) and 2 <= self.num_steps <= 1000, f"{prefix}.num_steps",
                  self.num_steps, "must be an integer in [2, 1000]")
+        _require(self.sampler in SAMPLERS, f"{prefix}.sampler", self.sampler, f"valid choices: {', '.join(SAMPLERS)}")
         _require(_is_number(self.guidance_scale) and self.guidance_scale >= 1.0, f"{prefix}.guidance_scale",
                  self.guidance_scale, "must be a number >= 1.0 (1.0 = no guidance)")
         _require(_is_int(self.resolution) and 16 <= self.resolution <= limits.MAX_RESOLUTION
@@ -593,7 +598,8 @@ def sd35m_paper(num_gpus: int = PAPER_GPUS) -> TrainConfig:
         model=ModelConfig(name="stabilityai/stable-diffusion-3.5-medium", lora_rank=32, lora_alpha=64.0,
                           dtype="bfloat16"),
         prompts=PromptConfig(sources=["nft-general", "nft-ocr", "nft-geneval"]),
-        sampling=SamplingConfig(num_steps=25, guidance_scale=1.0, resolution=512, prompts_per_step=3 * num_gpus,
+        sampling=SamplingConfig(num_steps=25, sampler="dpm2", guidance_scale=1.0, resolution=512,
+                                prompts_per_step=3 * num_gpus,
                                 images_per_prompt=24, max_sequence_length=128, rollout_batch_size=24),
         nft=NFTConfig(micro_batch_size=8),
         rewards=[RewardConfig(name) for name in PAPER_TRAINING_REWARDS],

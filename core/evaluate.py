@@ -111,7 +111,7 @@ def generate(pipe, items: list, settings: EvalSettings, config, batch: int = 64)
     for i in range(0, len(prompts), batch):
         out.append(generate_images(pipe, prompts[i:i + batch], seeds[i:i + batch], num_steps=steps,
                                    guidance_scale=guidance, resolution=s.resolution,
-                                   max_sequence_length=s.max_sequence_length))
+                                   max_sequence_length=s.max_sequence_length, sampler=s.sampler))
     return torch.cat(out)
 
 
@@ -175,7 +175,8 @@ def _key(config, settings: EvalSettings) -> dict:
     return {"model": config.model.name, "sources": list(config.prompts.sources), **shared,
             "num_steps": settings.num_steps or s.num_steps,
             "guidance_scale": settings.guidance_scale if settings.guidance_scale is not None else s.guidance_scale,
-            "resolution": s.resolution, "max_sequence_length": s.max_sequence_length}
+            "resolution": s.resolution, "max_sequence_length": s.max_sequence_length,
+            **({"sampler": s.sampler} if s.sampler != "euler" else {})}
 
 
 def evaluate_base(config, settings: EvalSettings, reward_names: list[str] | None = None) -> BaseEvaluation:

@@ -59,16 +59,33 @@ def encode_prompts(pipe, prompts: list[str], max_sequence_length: int, guidance_
     return emb.index(where)
 
 
-def make_scheduler(pipe, num_steps: int, device: torch.device):
-    """A fresh copy of the pipeline's scheduler, set to ``num_steps`` (its shift and σ schedule kept)."""
-    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+SAMPLERS = ("euler", "dpm2")
+"""euler: the pipeline's own flow-matching scheduler (first order). dpm2: diffusers' DPMSolverMultistepScheduler
+on flow sigmas (DPM-Solver++, second order, deterministic), the authors' rollout solver ("dpm2")."""
+
+
+def make_scheduler(pipe, num_steps: int, device: torch.device, sampler: str = "euler"):
+    """A fresh scheduler set to ``num_steps``: a copy of the pipeline's ("euler"), or diffusers'
+    DPMSolverMultistepScheduler with flow sigmas, flow_prediction, order 2 and the pipeline's shift ("dpm2")."""
+    if sampler == "euler":
+        scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+    elif sampler == "dpm2":
+        from diffusers import DPMSolverMultistepScheduler
+
+        cfg = pipe.scheduler.config
+        scheduler = DPMSolverMultistepScheduler(
+            num_train_timesteps=cfg.num_train_timesteps, solver_order=2, prediction_type="flow_prediction",
+            use_flow_sigmas=True, flow_shift=float(cfg.get("shift", 1.0)), algorithm_type="dpmsolver++",
+            solver_type="midpoint", lower_order_final=True, final_sigmas_type="zero")
+    else:
+        raise ValueError(f"sampler={sampler!r}: valid choices: {', '.join(SAMPLERS)}")
     scheduler.set_timesteps(num_steps, device=device)
     return scheduler
 
 
-def sampler_sigmas(pipe, num_steps: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def sampler_sigmas(pipe, num_steps: int, device: torch.device | str = "cpu", sampler: str = "euler") -> torch.Tensor:
     """The σ grid of a ``num_steps`` rollout, [num_steps + 1] from ~1 down to 0."""
-    return make_scheduler(pipe, num_steps, torch.device(device)).sigmas.float()
+    return make_scheduler(pipe, num_steps, torch.device(device), sampler).sigmas.float()
 
 
 def initial_noise(seeds: list[int], shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -85,15 +102,18 @@ def latent_shape(pipe, resolution: int) -> tuple[int, int, int]:
 
 @torch.no_grad()
 def generate_latents(pipe, velocity_fn: VelocityFn, emb: PromptEmbeddings, seeds: list[int], num_steps: int,
-                     guidance_scale: float, resolution: int, device: torch.device) -> torch.Tensor:
-    """Integrate the flow ODE from noise (σ=1) to the clean latent (σ=0) with the pipeline's scheduler."""
-    scheduler = make_scheduler(pipe, num_steps, device)
+                     guidance_scale: float, resolution: int, device: torch.device, sampler: str = "euler") -> torch.Tensor:
+    """Integrate the flow ODE from noise (σ=1) to the clean latent (σ=0) with ``sampler`` (SAMPLERS)."""
+    scheduler = make_scheduler(pipe, num_steps, device, sampler)
     latents = initial_noise(seeds, latent_shape(pipe, resolution), device)
     cfg = guidance_scale > 1.0
     if cfg and emb.negative_embeds is None:
         raise ValueError("guidance_scale > 1 needs negative prompt embeddings (encode with that guidance)")
-    for t in scheduler.timesteps:
-        sigma = (t / scheduler.config.num_train_timesteps).float()
+    for i, t in enumerate(scheduler.timesteps):
+        if sampler == "euler":
+            sigma = (t / scheduler.config.num_train_timesteps).float()
+        else:  # the σ the step assumes (dpm2's integer timesteps are rounded)
+            sigma = scheduler.sigmas[i].to(device).float()
         if cfg:
             inp = VelocityInputs(torch.cat([latents, latents]), sigma.expand(2 * len(seeds)),
                                  torch.cat([emb.negative_embeds, emb.prompt_embeds]),
@@ -130,12 +150,12 @@ def transformer_velocity(transformer) -> VelocityFn:
 @torch.no_grad()
 def generate_images(pipe, prompts: list[str], seeds: list[int], num_steps: int = 10, guidance_scale: float = 1.0,
                     resolution: int = 64, max_sequence_length: int = 77,
-                    velocity_fn: VelocityFn | None = None) -> torch.Tensor:
+                    velocity_fn: VelocityFn | None = None, sampler: str = "euler") -> torch.Tensor:
     """Prompts + seeds -> images [B, 3, H, W] in [0, 1] with the same sampler as training rollouts."""
     device = pipe.transformer.device
     emb = encode_prompts(pipe, prompts, max_sequence_length, guidance_scale, device)
     fn = velocity_fn or transformer_velocity(pipe.transformer)
-    latents = generate_latents(pipe, fn, emb, seeds, num_steps, guidance_scale, resolution, device)
+    latents = generate_latents(pipe, fn, emb, seeds, num_steps, guidance_scale, resolution, device, sampler)
     return decode_latents(pipe, latents)
 
 

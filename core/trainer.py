@@ -160,7 +160,8 @@ class Trainer:
         self.reward_weights = [r.weight for r in config.rewards]
         self.balancer = make_balancer(config.balance.strategy, self.reward_names, config.balance, self.reward_weights)
         self.prompts = PromptSampler(config.prompts.sources, config.prompts.split)
-        self.sigmas = sampler_sigmas(self.pipe, config.sampling.num_steps)[:-1]  # σ grid without the final 0
+        # the rollout sampler's σ grid without the final 0: the training timesteps (spec §2)
+        self.sigmas = sampler_sigmas(self.pipe, config.sampling.num_steps, sampler=config.sampling.sampler)[:-1]
         self.step = 0
         self.gradient_path, self._per_sample = self._choose_gradient_path()
         # θ_ema of the LoRA parameters (OptimConfig.ema_decay; None when off), starting at the initial adapter
@@ -201,7 +202,7 @@ class Trainer:
         for start in range(0, len(prompts), chunk):
             part = list(range(start, min(start + chunk, len(prompts))))
             x0 = generate_latents(self.pipe, self.policy.velocity_old, emb.index(part), seeds[start:start + chunk],
-                                  c.num_steps, c.guidance_scale, c.resolution, self.device)
+                                  c.num_steps, c.guidance_scale, c.resolution, self.device, c.sampler)
             x0_parts.append(x0)
             image_parts.append(decode_latents(self.pipe, x0))
         x0, images = torch.cat(x0_parts), torch.cat(image_parts)
