@@ -8,6 +8,9 @@ mistake is one clear message instead of a failure at the first step.
   picked without its prompt source), so the run is **refused**, not warned about: a warning in a job log is
   read after the compute is spent, and nothing may be fixed silently. A reward meant only to be watched
   belongs in evaluation (core.evaluate), where NaN is fine.
+- :func:`rewards_usable`: every reward can be built here: a model-based reward's weights are on this machine
+  (a local path or the Hugging Face cache), a ``remote`` reward has a server url. The message gives the
+  ``hf download`` command that makes it usable.
 - :func:`remote_rewards_reachable`: a ``remote`` reward's server answers its health check.
 - :func:`check_resources`: the memory estimate (core.limits) against this machine (torch-free for CPU runs).
 
@@ -20,6 +23,7 @@ import json
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from core.config import ConfigError, TrainConfig
@@ -100,6 +104,85 @@ def remote_rewards_reachable(config: TrainConfig, timeout: float = 3.0) -> None:
                                                                 f"start it (docs/remote-reward.md) or fix the url") from None
 
 
+# Rewards that need model files: which factory arguments name them. ("folder", arg): a model folder or repo id;
+# ("file", arg, name_arg): the file named by ``name_arg`` in the folder / repo ``arg`` (or ``arg`` itself a file).
+_FILES: dict[str, tuple[tuple[str, ...], ...]] = {
+    "pickscore": (("folder", "model"), ("folder", "processor")),
+    "clipscore": (("folder", "model"),),
+    "hpsv2": (("file", "checkpoint", "filename"), ("folder", "clip")),
+    "aesthetic": (("file", "head", "filename"), ("folder", "clip")),
+    "imagereward": (("file", "checkpoint", "filename"), ("file", "checkpoint", "med_config"), ("folder", "tokenizer")),
+    "geneval": (("folder", "detector"), ("folder", "clip")),
+}
+
+
+def _snapshots(repo: str) -> list[Path]:
+    from core.cache import hf_cache_dir
+
+    root = Path(hf_cache_dir()) / ("models--" + repo.replace("/", "--")) / "snapshots"
+    return [d for d in root.iterdir() if d.is_dir()] if root.is_dir() else []
+
+
+def _has_folder(source: str) -> bool:
+    path = Path(source).expanduser()
+    return path.is_dir() or any(any(d.iterdir()) for d in _snapshots(source))
+
+
+def _has_file(source: str, filename: str) -> bool:
+    path = Path(source).expanduser()
+    if path.is_file() or (path / filename).is_file() or Path(filename).expanduser().is_file():
+        return True
+    return any((d / filename).is_file() for d in _snapshots(source))
+
+
+def missing_reward_files(name: str, kwargs: Mapping[str, Any] | None = None) -> str | None:
+    """What a reward lacks on this machine, with the commands that provide it; None when it can be built here.
+
+    Torch-free (file system only): the New-run form asks it for every reward to say which are usable, and
+    :func:`rewards_usable` refuses a run before it is queued and again before its first rollout. A ``remote``
+    reward needs the ``url`` of its server (its health check is :func:`remote_rewards_reachable`)."""
+    kwargs = dict(kwargs or {})
+    if name == "remote":
+        if not kwargs.get("url"):
+            return ("needs the url of its scoring server (rewards[].kwargs.url, e.g. in a config file for "
+                    "`python -m core.train --config FILE`; protocol: docs/remote-reward.md)")
+        return None
+    if name not in _FILES:
+        return None
+    import inspect
+
+    from core.cache import hf_cache_dir
+    from core.rewards.base import _REGISTRY
+    from core.rewards.hub import hf_offline
+
+    if not hf_offline():
+        return None  # huggingface_hub may download what is missing when the reward is built
+    params = inspect.signature(_REGISTRY[name].factory).parameters
+    value = {k: kwargs.get(k, p.default) for k, p in params.items()}
+    missing: list[str] = []
+    for kind, arg, *rest in _FILES[name]:
+        source = str(value[arg])
+        if kind == "folder" and not _has_folder(source):
+            missing.append(f"hf download {source}" if "/" in source and not source.startswith((".", "/", "~"))
+                           else f"a folder at {source}")
+        elif kind == "file" and not _has_file(source, str(value[rest[0]])):
+            missing.append(f"hf download {source} {value[rest[0]]}" if "/" in source
+                           and not source.startswith((".", "/", "~")) else f"the file {source}/{value[rest[0]]}")
+    if not missing:
+        return None
+    return (f"needs model weights that are not on this machine: run `{'` and `'.join(missing)}` on a machine with "
+            f"network and copy the cache into {hf_cache_dir()} (or set HF_HUB_CACHE to it), or give the reward "
+            f"local paths in its kwargs")
+
+
+def rewards_usable(config: TrainConfig) -> None:
+    """Raise ConfigError naming the first reward that cannot be built here (missing weights, no server url)."""
+    for i, r in enumerate(config.rewards):
+        why = missing_reward_files(r.name, r.kwargs)
+        if why:
+            raise ConfigError(f"rewards[{i}].name", r.name, why)
+
+
 def check_resources(config: TrainConfig, world_size: int = 1) -> None:
     """The memory estimate against this host's RAM for CPU runs (GPU runs: the trainer, against the GPU)."""
     from core.limits import check_fits_host
@@ -110,6 +193,7 @@ def check_resources(config: TrainConfig, world_size: int = 1) -> None:
 def check_run(config: TrainConfig, world_size: int = 1) -> None:
     """Everything above, cheapest first."""
     check_resources(config, world_size)
+    rewards_usable(config)
     reward_coverage(config)
     remote_rewards_reachable(config)
 

@@ -25,6 +25,7 @@ import traceback
 from pathlib import Path
 
 from core.checkpoint import CheckpointError, is_disk_full
+from core.config import ConfigError
 from jobs import schema as s
 from jobs.paths import LOG_FILE
 from jobs.storage import Store
@@ -130,6 +131,9 @@ def execute(store: Store, run_id: int, heartbeat_seconds: float | None = None) -
             dropped = store.truncate_after(run_id, after)
             log.info("attempt %d: resuming from %s (dropped %d rows after step %d)", run.attempt,
                      resume_from or "the start", dropped, after)
+        from core.preflight import rewards_usable
+
+        rewards_usable(config)  # weights present, servers named: refused here, before the model and first rollout
         from core.trainer import train
 
         result = train(config, run.run_dir, on_event=on_event, should_stop=monitor.should_stop,
@@ -150,9 +154,10 @@ def execute(store: Store, run_id: int, heartbeat_seconds: float | None = None) -
         status = s.FAILED
         error = f"{type(e).__name__}: {e}"
         if is_disk_full(e):  # one clear line, not a traceback per write that failed
-            error = f"no space left on device: {error}"
+            said = e.strerror if isinstance(e, OSError) and isinstance(e.strerror, str) else ""
+            error = said if said.startswith("no space left on device") else f"no space left on device: {error}"
             log.error("job failed: %s", error)
-        elif isinstance(e, CheckpointError):  # says which file and why; a traceback adds nothing
+        elif isinstance(e, (CheckpointError, ConfigError)):  # says which file / field and why; a traceback adds nothing
             log.error("job failed: %s", error)
         else:
             log.error("job failed:\n%s", traceback.format_exc())

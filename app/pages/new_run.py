@@ -34,11 +34,11 @@ def start(preset_name: str, run_name: str, rewards: list[str], weights: str, sta
         cfg = build_config(preset_name, {f.path: v for f, v in zip(fields, values)}, rewards, weights, stages,
                            single, sources)
     except ConfigError as e:
-        return f"**Not started.** `{e}`", ""
+        return _refusal(e), ""
     try:  # the queue's preflight: memory, rewards without prompts, reward servers, name length
         run_id = submit(context.store(), cfg, preset=preset_name, name=(run_name or "").strip() or None)
     except ValueError as e:
-        return f"**Not started.** `{e}`", ""
+        return _refusal(e), ""
     ensure_worker(context.store())
     return "", f"Queued run **#{run_id}** ({cfg.balance.strategy}, {cfg.steps} steps). Open it in *Dashboard*."
 
@@ -69,7 +69,7 @@ def start_study(preset_name: str, run_name: str, rewards: list[str], weights: st
             cfg = build_config(preset_name, vals, rewards, weights, stages, single, sources)
             configs += [cfg.with_overrides({"seed": cfg.seed + i}) for i in range(n_seeds)]
     except ConfigError as e:
-        return f"**Not started** (strategy {strategy}). `{e}`", ""
+        return _refusal(e, f"Not started (strategy {strategy})."), ""
 
     def name(c) -> str:
         return f"{label} · {c.balance.strategy}" + (f" · seed {c.seed}" if n_seeds > 1 else "")
@@ -82,11 +82,33 @@ def start_study(preset_name: str, run_name: str, rewards: list[str], weights: st
         for c in configs[::n_seeds]:
             check_run(c)
     except ValueError as e:
-        return f"**Not started.** `{e}`", ""
+        return _refusal(e), ""
     ids = [submit(context.store(), c, preset=preset_name, name=name(c)) for c in configs]
     ensure_worker(context.store())
     each = "one per strategy" if n_seeds == 1 else f"{n_seeds} seeds per strategy"
     return "", f"Queued study **{label}**: runs {', '.join(f'#{i}' for i in ids)} (same budget, {each})."
+
+
+def unusable_rewards(names: list[str]) -> dict[str, str]:
+    """Reward name -> why it cannot be built here with its default arguments (weights absent, no server url)."""
+    from core.preflight import missing_reward_files
+
+    return {n: why for n in names if (why := missing_reward_files(n))}
+
+
+def reward_choices(names: list[str], unusable: dict[str, str]) -> list[tuple[str, str]]:
+    return [(f"{n} — needs weights" if n in unusable and n != "remote" else
+             f"{n} — needs a server" if n in unusable else n, n) for n in names]
+
+
+def unusable_note(unusable: dict[str, str]) -> str:
+    lines = "\n".join(f"- **{n}** {why}" for n, why in unusable.items())
+    return f"<details><summary>Not usable here: {', '.join(unusable)}</summary>\n\n{lines}\n\n</details>"
+
+
+def _refusal(e: Exception, prefix: str = "Not started.") -> str:
+    """An error as markdown, whole: a double-backtick code span keeps the message's own `commands` inside it."""
+    return f"**{prefix}** `` {e} ``"
 
 
 # ---- layout --------------------------------------------------------------------------------------
@@ -118,11 +140,16 @@ def build() -> dict:
             preset_box = gr.Dropdown(choices=selectable_presets(), value=first, label="Preset", elem_id="preset",
                                      info="Fills every field below; change any of them afterwards.")
             name_box = gr.Textbox(label="Run name (optional)", elem_id="run-name")
+        unusable = unusable_rewards(rewards)
         with gr.Row():
-            reward_box = gr.CheckboxGroup(choices=rewards, value=base.reward_names, label="Rewards",
-                                          elem_id="rewards")
+            reward_box = gr.CheckboxGroup(choices=reward_choices(rewards, unusable), value=base.reward_names,
+                                          label="Rewards", elem_id="rewards",
+                                          info="Rewards marked “needs weights” are not usable on this machine "
+                                               "(see below); a run with one is refused." if unusable else None)
             source_box = gr.CheckboxGroup(choices=list(available_sources()), value=list(base.prompts.sources),
                                           label="Prompt sources", elem_id="sources")
+        if unusable:
+            gr.Markdown(unusable_note(unusable), elem_id="rewards-unusable")
         with gr.Row():
             weights_box = gr.Textbox(label="Reward weights (weighted_sum only)", placeholder="colorfulness=2, "
                                      "brightness=0.5", elem_id="weights")
