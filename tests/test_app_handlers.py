@@ -104,6 +104,10 @@ def test_form_fields_cover_the_config_and_carry_help():
     assert fields["balance.strategy"].kind == "choice" and "marble" in fields["balance.strategy"].choices
     assert "N: full harmonization" in fields["balance.refresh_every"].help
     assert fields["balance.normalize"].kind == "bool"
+    # issue 15's knobs: choices for the amortized combination and the rollout sampler, the parameter EMA's decay
+    assert fields["balance.amortized_combination"].choices == ("masked", "authors")
+    assert fields["sampling.sampler"].kind == "choice" and fields["sampling.sampler"].choices == ("euler", "dpm2")
+    assert fields["optim.ema_decay"].kind == "float" and "EMAModuleWrapper" in fields["optim.ema_decay"].help
 
 
 def test_form_values_become_a_validated_config_or_the_exact_error():
