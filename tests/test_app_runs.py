@@ -82,3 +82,51 @@ def _checkpoint_batch(step: int):
     batch.run.update(step=step)
     batch.checkpoints.append({"step": step, "path": f"checkpoints/step_{step:06d}", "created_at": 0.0})
     return batch
+
+
+def test_cancel_says_what_happened_and_is_offered_only_for_active_runs(store):
+    """Issue 18 item 4: a finished run is not 'cancel requested (now succeeded)'; a running one is not
+    'now running'; the button is disabled unless the picked run is queued or running."""
+    from app.pages.runs import act, cancel_state
+
+    done = finished_run(store, "done")
+    assert act("cancel", done) == f"Run #{done} already succeeded: there is nothing to cancel."
+    assert store.get_run(done).cancel_requested is False
+    assert cancel_state(done)["interactive"] is False and cancel_state(None)["interactive"] is False
+
+    queued = store.create_run({}, strategy="marble", total_steps=3, name="waiting")
+    assert cancel_state(queued)["interactive"] is True
+    assert act("cancel", queued) == f"Run #{queued} cancelled before it started."
+    assert store.status(queued) == s.CANCELLED and cancel_state(queued)["interactive"] is False
+
+    running = store.create_run({}, strategy="marble", total_steps=3, name="busy")
+    store.claim(running)
+    message = act("cancel", running)
+    assert "stop requested" in message and "now running" not in message and "cancelled" in message
+    assert store.get_run(running).cancel_requested is True
+
+
+def test_the_table_shows_each_runs_duration_and_a_row_click_picks_it(store):
+    import time
+
+    import gradio as gr
+
+    from app.pages.runs import COLUMNS, row_pick, runs_table
+
+    done = finished_run(store, "done")
+    with store._tx() as conn:  # a 2 min 5 s attempt
+        from sqlalchemy import update
+
+        conn.execute(update(s.runs).where(s.runs.c.id == done).values(started_at=time.time() - 500,
+                                                                       finished_at=time.time() - 375))
+    store.create_run({}, strategy="marble", total_steps=3, name="waiting")
+    df = runs_table()
+    rows = {r["name"]: r for r in df.to_dict("records")}
+    assert "duration" in COLUMNS and rows["done"]["duration"] == "2m05s" and rows["waiting"]["duration"] == ""
+
+    class Event:  # what gr.SelectData carries for a click on a row
+        row_value = [done, "done", "succeeded"]
+
+    assert row_pick(Event())["value"] == done
+    Event.row_value = ["", "No runs yet: start one in New run."]
+    assert row_pick(Event()) is gr.skip() or row_pick(Event()) == gr.skip()

@@ -16,16 +16,26 @@ from jobs.storage import RunNotFound, TransitionError
 
 # A newly picked run's log opens at its newest line (the textbox's own autoscroll follows only later changes).
 SCROLL_LOG_TO_END = "() => { const t = document.querySelector('#run-log textarea'); if (t) t.scrollTop = t.scrollHeight; }"
-COLUMNS = ["id", "name", "status", "progress", "ETA", "strategy", "rewards (latest mean)", "created"]
+COLUMNS = ["id", "name", "status", "progress", "ETA", "duration", "strategy", "rewards (latest mean)", "created"]
+
+
+def duration(r: Any, now: float | None = None) -> str:
+    """Wall time of the run's latest attempt: start to end, or to now while it runs; blank before it starts."""
+    if r.started_at is None or r.status == "queued":
+        return ""
+    end = r.finished_at if r.finished_at is not None and r.status != "running" else (now or time.time())
+    text = context.fmt_seconds(max(0.0, end - r.started_at))
+    return text + (f" (attempt {r.attempt})" if r.attempt > 1 else "")
 
 
 def runs_table() -> pd.DataFrame:
-    rows = []
+    rows, now = [], time.time()
     for r in context.store().list_runs():
         rewards = ", ".join(f"{k} {v:.3g}" for k, v in (r.headline or {}).items()
                             if isinstance(v, (int, float)) and math.isfinite(v))
         rows.append([r.id, r.name or "", r.status, f"{r.step}/{r.total_steps} ({100 * r.progress:.0f}%)",
-                     context.fmt_seconds(r.eta_seconds) if r.status == "running" else "", r.strategy, rewards,
+                     context.fmt_seconds(r.eta_seconds) if r.status == "running" else "", duration(r, now),
+                     r.strategy, rewards,
                      time.strftime("%m-%d %H:%M", time.localtime(r.created_at))])
     return pd.DataFrame(rows, columns=COLUMNS)
 
@@ -41,8 +51,16 @@ def act(action: str, run_id: Any, steps: float | None = None) -> str:
     rid = int(run_id)
     try:
         if action == "cancel":
+            before = store.status(rid)
+            if before not in ("queued", "running"):
+                return f"Run #{rid} already {before}: there is nothing to cancel."
             status = runner.cancel(store, rid, wait=False)
-            return f"Run #{rid}: cancel requested (now {status}); it stops at the next micro-batch."
+            if status == "cancelled":
+                return f"Run #{rid} cancelled before it started."
+            if status == "running":
+                return (f"Run #{rid}: stop requested. It saves a checkpoint at the next micro-batch and then shows "
+                        f"as cancelled (Resume continues it).")
+            return f"Run #{rid} already {status}: there is nothing to cancel."
         if action == "resume":
             if steps is not None and steps != int(steps):
                 return f"Run #{rid}: steps={steps}: write a whole number of steps"
@@ -138,12 +156,31 @@ def _log(run_id: Any) -> str:
         return ""
 
 
+def cancel_state(run_id: Any) -> Any:
+    """Cancel is offered only for a queued or running run (a finished one has nothing to stop)."""
+    if run_id is None:
+        return gr.update(interactive=False)
+    try:
+        return gr.update(interactive=context.store().status(int(run_id)) in ("queued", "running"))
+    except RunNotFound:
+        return gr.update(interactive=False)
+
+
+def row_pick(evt: gr.SelectData) -> Any:
+    """A click anywhere on a row of the table picks that row's run (its id is the first cell)."""
+    row = evt.row_value or []
+    if not row or not str(row[0]).strip().isdigit():  # the "No runs yet" placeholder
+        return gr.skip()
+    return gr.update(value=int(row[0]))
+
+
 def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dict:
     last = gr.State("")
     table = gr.Dataframe(value=None, headers=COLUMNS, interactive=False, elem_id="runs-table", wrap=True)
     with gr.Row():
         pick = gr.Dropdown(choices=[], label="Run", elem_id="runs-pick", scale=3)
-        cancel_btn = gr.Button("Cancel", elem_id="run-cancel", variant="stop", scale=1)
+        cancel_btn = gr.Button("Cancel", elem_id="run-cancel", variant="stop", scale=1,
+                               interactive=False)
         resume_btn = gr.Button("Resume", elem_id="run-resume", scale=1)
         resume_to = gr.Number(value=0, precision=0, label="Resume up to step (0: as configured)",
                               elem_id="run-resume-steps", scale=1)
@@ -163,19 +200,22 @@ def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dic
     def on_tick(previous, run_id):
         df = runs_table()
         key = df.to_json()
-        choices = context.run_choices()
         log_text = _log(run_id) if run_id is not None else gr.skip()
         if key == previous:
-            return previous, gr.skip(), gr.skip(), log_text
+            return previous, gr.skip(), gr.skip(), log_text, gr.skip()
         empty = df.empty
-        return (key, df if not empty else pd.DataFrame([["", "No runs yet: start one in New run.", *[""] * 6]],
+        # the picker's choices carry status and step: re-sent with the pick so its shown label follows the table
+        choices = context.run_choices()
+        value = run_id if run_id in [c[1] for c in choices] else None
+        return (key, df if not empty else pd.DataFrame([["", "No runs yet: start one in New run.", *[""] * 7]],
                                                        columns=COLUMNS),
-                gr.update(choices=choices), log_text)
+                gr.update(choices=choices, value=value), log_text, cancel_state(run_id))
 
     # the tick reads the pick from a State: a dropdown input is checked against its choices, and a tick
     # racing a choices update (a run just deleted) raised "not in the list of choices"
     picked = gr.State(None)
-    timer.tick(on_tick, [last, picked], [last, table, pick, log], show_progress="hidden")
+    timer.tick(on_tick, [last, picked], [last, table, pick, log, cancel_btn], show_progress="hidden")
+    table.select(row_pick, None, pick)  # a click on a row picks its run
     cancel_btn.click(lambda r: act("cancel", r), pick, message)
     resume_btn.click(lambda r, n: act("resume", r, n), [pick, resume_to], message)
     delete_btn.click(ask_delete, pick, [message, confirm_btn, pending])
@@ -185,6 +225,6 @@ def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dic
     dup_btn.click(lambda r: duplicate_values(r, new_run["fields"]) if r is not None else [gr.skip()] * len(
         dup_outputs), pick, dup_outputs).then(lambda: gr.Tabs(selected=new_tab_id), None, tabs)
     # another pick withdraws a pending delete
-    pick.change(lambda r: (_log(r) if r is not None else "", gr.update(visible=False), None, r), pick,
-                [log, confirm_btn, pending, picked]).then(None, None, None, js=SCROLL_LOG_TO_END)
+    pick.change(lambda r: (_log(r) if r is not None else "", gr.update(visible=False), None, r, cancel_state(r)),
+                pick, [log, confirm_btn, pending, picked, cancel_btn]).then(None, None, None, js=SCROLL_LOG_TO_END)
     return {"pick": pick}
