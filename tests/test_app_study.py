@@ -88,3 +88,51 @@ def test_a_run_deleted_since_the_picker_was_filled_is_left_out_of_the_study(stor
     kept = st.create_run(preset("tiny").to_dict(), strategy="marble", total_steps=3, name="kept")
     df, points = study_table([kept, kept + 1])
     assert list(df["run"]) == ["#%d kept" % kept] and [p["label"] for p in points] == ["#%d kept" % kept]
+
+
+def _trained(st, name: str, status: str, steps: int, total: int, reward=lambda k: float(k)) -> int:
+    """A run of the tiny preset (reward brightness etc.) with ``steps`` steps of metrics: reward k at step k."""
+    from jobs import schema as sch
+    from jobs.storage import Batch
+
+    cfg = preset("tiny").to_dict()
+    run_id = st.create_run(cfg, strategy=cfg["balance"]["strategy"], total_steps=total, name=name)
+    if status == sch.QUEUED:
+        return run_id
+    st.claim(run_id)
+    batch = Batch()
+    for k in range(1, steps + 1):
+        for r in cfg["rewards"]:
+            batch.metrics += [{"step": k, "key": f"reward/{r['name']}", "value": reward(k)},
+                              {"step": k, "key": f"reward_std/{r['name']}", "value": 1.0}]
+    batch.run.update(step=steps)
+    st.write_batch(run_id, batch)
+    if status != sch.RUNNING:
+        st.finish(run_id, status)
+    return run_id
+
+
+def test_unfinished_runs_are_marked_and_runs_are_compared_at_the_same_step(store):
+    """Issue 18 item 2: a queued run has no composite (not +0.000), a run cut short is not a result, and runs of
+    20 and 10 steps are compared at step 10, said on the page."""
+    from app.pages.study import by_strategy, render, study_table
+
+    st, _ = store
+    long_ = _trained(st, "long", "succeeded", 20, 20)
+    short = _trained(st, "short", "succeeded", 10, 10)
+    partial = _trained(st, "partial", "running", 4, 20, reward=lambda k: 100.0 * k)  # best by far, unfinished
+    queued = _trained(st, "waiting", "queued", 0, 20)
+    df, _ = study_table([long_, short, partial, queued])
+    rows = df.set_index("run")
+    name = preset("tiny").reward_names[0]
+    # reward k at step k: over steps 1..10 the last 10% is step 10, the first 10% step 1 -> Δ = 9 (std 1)
+    assert rows.loc[f"#{long_} long", f"Δ{name} (σ)"] == 9.0 == rows.loc[f"#{short} short", f"Δ{name} (σ)"]
+    assert rows.loc[f"#{long_} long", "steps"] == 10 and rows.loc[f"#{long_} long", name] == 10.0
+    assert rows.loc[f"#{queued} waiting", "state"] == "not started"
+    assert pd.isna(rows.loc[f"#{queued} waiting", "composite (σ)"])  # blank, not +0.000
+    assert rows.loc[f"#{partial} partial", "state"] == "unfinished: running at 4/20"
+    assert rows.loc[f"#{long_} long", "state"] == "finished"
+    summary = by_strategy(df)
+    assert summary.loc[0, "runs"] == 2  # the two finished runs only
+    *_, note = render([long_, short, partial, queued], None, None)
+    assert "compared at step **10**" in note and "#%d partial" % partial in note and "#%d waiting" % queued in note

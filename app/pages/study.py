@@ -29,43 +29,82 @@ def _window_mean(xs: list[int], ys: list[float | None], last: bool) -> float | N
 def study_table(run_ids: list[int]) -> tuple[pd.DataFrame, list[dict]]:
     """Per run: the mean of each reward over the last 10% of steps, its change from the first 10% in
     units of the first steps' within-batch std, and the composite (sum over rewards) — the paper's
-    Table 1 on training prompts; held-out evaluations (core.evaluate) are added where stored."""
+    Table 1 on training prompts; held-out evaluations (core.evaluate) are added where stored.
+
+    Runs of different lengths are compared at the same step: every run's series is cut at the last step of
+    the shortest finished run (of the shortest run when none has finished; ``attrs["common_step"]``). A run without steps yet has no scores (blank,
+    not 0); a run that has not finished is marked in the ``state`` column (``attrs["unfinished"]``)."""
     store = context.store()
-    rows, points = [], []
+    runs = []
     for rid in run_ids:
         try:
-            run = store.get_run(rid)
+            runs.append(store.get_run(rid))
         except RunNotFound:  # deleted since the picker was filled: left out
             continue
+    finished = [r.step for r in runs if r.status == "succeeded" and r.step > 0]
+    common = min(finished or [r.step for r in runs if r.step > 0] or [0])  # unfinished runs do not set it
+    rows, points = [], []
+    for run in runs:
+        rid = run.id
         names = [r["name"] for r in run.config["rewards"]]
         series = store.metrics(rid, keys=[f"reward/{n}" for n in names] + [f"reward_std/{n}" for n in names],
                                max_points=2000).by_key()
+        state = "finished" if run.status == "succeeded" else (
+            "not started" if run.step == 0 else f"unfinished: {run.status} at {run.step}/{run.total_steps}")
         row: dict[str, Any] = {"run": f"#{rid} {run.name or ''}".strip(), "strategy": run.strategy,
-                               "steps": run.step}
-        composite, scores = 0.0, {}
+                               "state": state, "steps": min(run.step, common)}
+        composite, scores = None, {}
         for n in names:
-            xs, ys = series.get(f"reward/{n}", ([], []))
+            xs, ys = _cut(series.get(f"reward/{n}", ([], [])), common)
             end, start = _window_mean(xs, ys, True), _window_mean(xs, ys, False)
-            sx, sy = series.get(f"reward_std/{n}", ([], []))
+            sx, sy = _cut(series.get(f"reward_std/{n}", ([], [])), common)
             std = _window_mean(sx, sy, False)
             row[n] = end
             scores[n] = end
             if end is not None and start is not None and std:
                 delta = (end - start) / std
                 row[f"Δ{n} (σ)"] = delta
-                composite += delta
+                composite = (composite or 0.0) + delta
         row["composite (σ)"] = composite
         for ev in store.evaluations(rid):
             for n, v in (ev.get("scores") or {}).items():
                 row[f"eval:{ev['name']}:{n}"] = v
         rows.append(row)
         points.append({"label": row["run"], "scores": scores, "balance": store.balance(rid, max_points=500)})
-    return pd.DataFrame(rows), points
+    df = pd.DataFrame(rows)
+    df.attrs["common_step"] = common
+    df.attrs["lengths"] = sorted(set(finished or [r.step for r in runs if r.step > 0]))
+    df.attrs["unfinished"] = [row["run"] for row in rows if row["state"] != "finished"]
+    return df, points
+
+
+def _cut(series: tuple[list[int], list[float | None]], step: int) -> tuple[list[int], list[float | None]]:
+    xs, ys = series
+    keep = [i for i, x in enumerate(xs) if x <= step]
+    return [xs[i] for i in keep], [ys[i] for i in keep]
+
+
+def study_note(df: pd.DataFrame) -> str:
+    """What the table compares, said on the page: the common step, and which runs are not results yet."""
+    if df.empty:
+        return ""
+    parts = []
+    lengths, common = df.attrs.get("lengths", []), df.attrs.get("common_step", 0)
+    if len(lengths) > 1:
+        parts.append(f"The runs have different lengths ({', '.join(map(str, lengths))} steps): every run is "
+                     f"compared at step **{common}**, the shortest finished one's last step (means of its last 10% of "
+                     f"steps up to there).")
+    if df.attrs.get("unfinished"):
+        parts.append(f"Not finished, so not results yet and left out of the by-strategy summary: "
+                     f"{', '.join(df.attrs['unfinished'])}.")
+    return " ".join(parts)
 
 
 def by_strategy(df: pd.DataFrame) -> pd.DataFrame:
     """One row per strategy: how many runs, and mean ± sample std over them of every improvement column
     (Δ per reward and the composite) — the spread over seeds that one run per strategy cannot show."""
+    if not df.empty and "state" in df:
+        df = df[df["state"] == "finished"]
     if df.empty or "strategy" not in df:
         return pd.DataFrame()
     cols = [c for c in df.columns if c.startswith("Δ") or c == "composite (σ)"]
@@ -101,7 +140,8 @@ def study_csv_path(run_ids: list[int]) -> str:
 def render(run_ids: list[int], x_reward: str | None, y_reward: str | None):
     if not run_ids:
         empty = plots.empty_figure("Study", EMPTY_HINT)
-        return *_placeholder_tables(), empty, empty, gr.update(choices=[]), gr.update(choices=[]), None
+        return (*_placeholder_tables(), empty, empty, gr.update(choices=[]), gr.update(choices=[]), None,
+                "")
     df, points = study_table([int(r) for r in run_ids])
     names = sorted({k for p in points for k in p["scores"]})
     x = x_reward if x_reward in names else (names[0] if names else None)
@@ -110,8 +150,11 @@ def render(run_ids: list[int], x_reward: str | None, y_reward: str | None):
     overlay = plots.alpha_overlay(points, names)
     path = study_csv_path([int(r) for r in run_ids])
     df.to_csv(path, index=False)
-    return (df.round(4), by_strategy(df), pareto, overlay, gr.update(choices=names, value=x),
-            gr.update(choices=names, value=y), path)
+    summary = by_strategy(df)
+    if summary.empty:
+        summary = pd.DataFrame({"strategies": ["(no finished run picked: the summary pools finished runs only)"]})
+    return (df.round(4), summary, pareto, overlay, gr.update(choices=names, value=x),
+            gr.update(choices=names, value=y), path, study_note(df))
 
 
 def build() -> dict:
@@ -122,6 +165,7 @@ def build() -> dict:
     table = gr.Dataframe(no_table,
                          label="Per-reward means (last 10% of steps) and improvement in σ units",
                          interactive=False, elem_id="study-table")
+    note = gr.Markdown(elem_id="study-note")
     summary = gr.Dataframe(no_summary,
                            label="By strategy: the chosen runs of each strategy pooled (e.g. a study's seeds), "
                                  "mean ± std of each improvement",
@@ -133,7 +177,7 @@ def build() -> dict:
     pareto = gr.Plot(plots.empty_figure("Pareto", EMPTY_HINT), label="Pareto", elem_id="plot-pareto")
     overlay = gr.Plot(plots.empty_figure("ᾱ overlay", EMPTY_HINT), label="ᾱ overlay", elem_id="plot-overlay")
     reload_btn.click(lambda: gr.update(choices=context.run_choices()), None, runs)
-    outs = [table, summary, pareto, overlay, x_pick, y_pick, csv]
+    outs = [table, summary, pareto, overlay, x_pick, y_pick, csv, note]
     runs.change(render, [runs, x_pick, y_pick], outs)
     x_pick.input(render, [runs, x_pick, y_pick], outs)
     y_pick.input(render, [runs, x_pick, y_pick], outs)
