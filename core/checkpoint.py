@@ -136,10 +136,9 @@ def is_disk_full(exc: BaseException) -> bool:
 
 
 def disk_full_error(path: Path, exc: BaseException) -> OSError:
-    err = OSError(errno.ENOSPC, f"no space left on device while writing {str(path)!r}; free some space "
-                                f"and resume the run ({type(exc).__name__}: {exc})")
-    err.filename = str(path)
-    return err
+    """One sentence for a full disk, whatever the library said (chain the original with ``from``)."""
+    return OSError(errno.ENOSPC, f"no space left on device while writing {str(path)!r}; free some space on "
+                                 f"its disk and resume the run")
 
 
 def write_bytes(path: Path, data: bytes) -> None:

@@ -211,6 +211,7 @@ def _cli_config(tmp_path: Path, cfg: TrainConfig) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_kill_9_during_a_checkpoint_write_resumes_from_the_last_good_one(tmp_path):
     """The job is SIGKILLed while step 2's checkpoint is half written (its manifest not yet in place);
     resume removes the orphan temp folder, continues from step 1 and ends where an unkilled run ends."""
@@ -265,6 +266,7 @@ def store(tmp_path):
     st.close()
 
 
+@pytest.mark.slow
 def test_a_job_resume_skips_a_damaged_checkpoint_and_from_step_picks_one(store):
     cfg = small_config("marble", steps=3, checkpoint_every=1)
     run_id = submit(store, cfg, preset="tiny", immediate=True)
@@ -311,7 +313,7 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     return done.returncode == 0
 
 
-def test_a_full_disk_fails_the_job_with_no_space_left_on_device(tmp_path, monkeypatch):
+def test_a_full_disk_fails_the_job_with_no_space_left_on_device(tmp_path, monkeypatch, capsys):
     """Simulated: the checkpoint's safetensors write raises ENOSPC as the OS would."""
     store = Store(f"sqlite:///{tmp_path / 'marble.db'}", tmp_path / "home")
     real = ckpt_io.write_bytes
@@ -328,7 +330,15 @@ def test_a_full_disk_fails_the_job_with_no_space_left_on_device(tmp_path, monkey
     assert ".tmp_step_000001" in run.error and not list((run.run_dir / "checkpoints").iterdir())  # space given back
     store.close()
 
+    from core.train import main
 
+    config = _cli_config(tmp_path, small_config("marble", steps=1, checkpoint_every=1))
+    assert main(["--config", str(config), "--out", str(tmp_path / "cli"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "error: [Errno 28] no space left on device while writing" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
 def test_a_really_full_tmpfs_fails_the_job_promptly_with_no_space_left_on_device(tmp_path):
     """A small tmpfs holds the run folders (the database stays on the normal disk): a checkpoint no
     longer fits. The job ends failed with the words the user needs, in seconds, not as 'running'."""
