@@ -148,12 +148,15 @@ def conflict_panels(balance_rows: Sequence[dict], reward_names: Sequence[str],
         return empty_figure("Conflicts with the update", "No diagnosed step yet.")
     stats = conflict_stats(rows, reward_names)
     fig = make_subplots(rows=2, cols=2, shared_xaxes=True, vertical_spacing=0.14, horizontal_spacing=0.08,
-                        subplot_titles=("cos(g_k, update) per reward", "min over rewards",
+                        subplot_titles=("cos(g_k, update) solid · cos(g_k, Σg/K) dotted", "min over rewards",
                                         "mean over rewards", "variance over rewards"))
     xs = _arr(stats["steps"])
     for i, name in enumerate(reward_names):
         fig.add_trace(go.Scatter(x=xs, y=_arr(r["cos_to_update"].get(name) for r in rows), mode="lines+markers",
                                  marker=dict(size=4), line=dict(color=colour(i)), name=name), row=1, col=1)
+        if any(cos_to_mean(r) for r in rows):  # the paper's Fig. S2 reference direction, labelled apart
+            fig.add_trace(go.Scatter(x=xs, y=_arr(cos_to_mean(r).get(name) for r in rows), mode="lines",
+                                     line=dict(color=colour(i), dash="dot"), name=f"{name} vs Σg/K"), row=1, col=1)
     fig.add_trace(go.Scatter(x=xs, y=_arr(stats["min"]), mode="lines+markers", marker=dict(size=4),
                              line=dict(color="#E45756"), name="min", showlegend=False), row=1, col=2)
     fig.add_trace(go.Scatter(x=xs, y=_arr(stats["mean"]), mode="lines+markers", marker=dict(size=4),
@@ -165,17 +168,28 @@ def conflict_panels(balance_rows: Sequence[dict], reward_names: Sequence[str],
     rate = stats["conflict_rate"]
     title = ("Reward gradients vs the applied update — conflict rate "
              f"{'n/a' if rate is None else f'{100 * rate:.0f}%'} of {len(xs)} diagnosed steps")
+    paper_rate = conflict_stats(rows, reward_names, "mean")["conflict_rate"]
+    if paper_rate is not None:
+        title += f" (vs Σg/K: {100 * paper_rate:.0f}%)"
     fig = _layout(fig, title, revision, height=540)
     fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.08, xanchor="left", x=0.0))
     return fig
 
 
-def conflict_stats(rows: Sequence[dict], reward_names: Sequence[str]) -> dict:
-    """Per diagnosed step: min, mean and variance over the valid rewards of cos(g_k, update), and the
-    conflict rate (share of steps whose min is negative)."""
+def cos_to_mean(row: dict) -> dict:
+    """A balance row's cos(g_k, (1/K)·Σ_j g_j) by reward (the paper's Fig. S2 direction), {} when not recorded."""
+    cosine = row.get("cosine")
+    return (cosine.get("to_mean") or {}) if isinstance(cosine, dict) else {}
+
+
+def conflict_stats(rows: Sequence[dict], reward_names: Sequence[str], reference: str = "update") -> dict:
+    """Per diagnosed step: min, mean and variance over the valid rewards of cos(g_k, update) (``reference``
+    "update") or of cos(g_k, (1/K)·Σ g_j) ("mean", the paper's Fig. S2), and the conflict rate (share of
+    steps whose min is negative)."""
     steps, mins, means, variances = [], [], [], []
     for r in rows:
-        vals = [v for n in reward_names if (v := r["cos_to_update"].get(n)) is not None and math.isfinite(v)]
+        cos = r["cos_to_update"] if reference == "update" else cos_to_mean(r)
+        vals = [v for n in reward_names if (v := cos.get(n)) is not None and math.isfinite(v)]
         steps.append(r["step"])
         if not vals:
             mins.append(None), means.append(None), variances.append(None)

@@ -69,13 +69,14 @@ class BalanceEvent(Event):
     alpha_raw: dict[str, float]
     alpha_ema: dict[str, float]
     cosine: dict[str, Any]  # {"names": [...], "matrix": [[...]]}; null where a gradient is invalid
-    cos_to_update: dict[str, float]
+    cos_to_update: dict[str, float]  # cos(g_k, the update this step applied)
     grad_norms: dict[str, float]
     valid: dict[str, bool]
     solver: str
     phase: str  # "full" or "diagnostic"
     update_norm: float = float("nan")
     solve_seconds: float = 0.0
+    cos_to_mean: dict[str, float] = field(default_factory=dict)  # cos(g_k, (1/K)·Σ_j g_j), the paper's Fig. S2
     gradients: str = "per_reward"  # how the g_k were formed: "per_sample" (2 backward passes) or "per_reward" (K)
 
 

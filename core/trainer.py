@@ -490,6 +490,9 @@ class Trainer:
             alpha_ema={n: float(a) for n, a in zip(names, alpha_ema)},
             cosine={"names": list(names), "matrix": cos.cpu().tolist()},
             cos_to_update={n: _cos(g[k], update) if valid[k] else float("nan") for k, n in enumerate(names)},
+            # the paper's Fig. S2 reference: the weighted-sum direction (1/K)·Σ_k g_k (over the valid rewards)
+            cos_to_mean={n: _cos(g[k], g[valid].mean(dim=0)) if valid[k] else float("nan")
+                         for k, n in enumerate(names)},
             grad_norms={n: float(norms[k]) for k, n in enumerate(names)},
             valid={n: bool(valid[k]) for k, n in enumerate(names)},
             solver=solver, phase=phase, update_norm=float(update.norm()), solve_seconds=seconds,

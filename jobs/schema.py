@@ -93,7 +93,7 @@ balance = Table(  # per-reward gradient diagnostics of full and diagnostic steps
     Column("solver", String(64)),
     Column("alpha_raw", JSON),  # α* of this solve, by reward name
     Column("alpha_ema", JSON),  # ᾱ after it
-    Column("cosine", JSON),  # {"names": [...], "matrix": [[...]]}, null where a gradient is invalid
+    Column("cosine", JSON),  # {"names": [...], "matrix": [[...]], "to_mean": {name: cos(g_k, Σg/K)}}, null = invalid
     Column("cos_to_update", JSON),
     Column("grad_norms", JSON),
     Column("valid", JSON),

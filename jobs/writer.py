@@ -70,9 +70,12 @@ class EventWriter:
             if self._started_at is not None and ev["step"] > self._start_step:
                 batch.run["seconds_per_step"] = (time.time() - self._started_at) / (ev["step"] - self._start_step)
         elif kind == "balance":
-            batch.balance.append({k: ev.get(k) for k in (
+            row = {k: ev.get(k) for k in (
                 "step", "phase", "solver", "alpha_raw", "alpha_ema", "cosine", "cos_to_update", "grad_norms",
-                "valid", "update_norm", "solve_seconds")})
+                "valid", "update_norm", "solve_seconds")}
+            if ev.get("cos_to_mean") and isinstance(row["cosine"], dict):  # kept with the cosines (no new column)
+                row["cosine"] = {**row["cosine"], "to_mean": ev["cos_to_mean"]}
+            batch.balance.append(row)
         elif kind == "samples":
             for i, item in enumerate(ev["items"]):
                 batch.samples.append({

@@ -60,7 +60,8 @@ def balance_event(step: int) -> BalanceEvent:
                         alpha_ema={n: 1 / 3 for n in REWARDS},
                         cosine={"names": REWARDS, "matrix": [[1.0 if i == j else 0.1 for j in range(k)]
                                                              for i in range(k)]},
-                        cos_to_update={n: 0.5 for n in REWARDS}, grad_norms={n: 2.0 for n in REWARDS},
+                        cos_to_update={n: 0.5 for n in REWARDS}, cos_to_mean={n: 0.25 for n in REWARDS},
+                        grad_norms={n: 2.0 for n in REWARDS},
                         valid={n: True for n in REWARDS}, solver="cvxpy-OSQP", phase="full", update_norm=1.5)
 
 

@@ -80,6 +80,21 @@ def test_conflict_stats_and_rate():
     assert stats["conflict_rate"] == pytest.approx(1 / 3)
     fig = plots.conflict_panels(rows, NAMES)
     assert "conflict rate 33%" in fig.layout.title.text
+    assert "vs Σg/K" not in fig.layout.title.text  # not recorded: not shown
+
+
+def test_conflicts_with_the_papers_weighted_sum_direction_are_shown_and_labelled_beside_the_update():
+    rows = [balance_row(1, None, [1] * 3, [0] * 3, [0] * 3, [0.5, 0.1, 0.2]),
+            balance_row(2, None, [1] * 3, [0] * 3, [0] * 3, [0.5, 0.1, 0.2])]
+    rows[0]["cosine"]["to_mean"] = dict(zip(NAMES, [0.9, -0.2, 0.4]))
+    rows[1]["cosine"]["to_mean"] = dict(zip(NAMES, [0.9, 0.2, 0.4]))
+    paper = plots.conflict_stats(rows, NAMES, "mean")
+    assert paper["min"] == [-0.2, 0.2] and paper["conflict_rate"] == pytest.approx(0.5)
+    assert plots.conflict_stats(rows, NAMES)["conflict_rate"] == 0.0
+    fig = plots.conflict_panels(rows, NAMES)
+    assert "conflict rate 0%" in fig.layout.title.text and "(vs Σg/K: 50%)" in fig.layout.title.text
+    names = [t.name for t in fig.data]
+    assert "a" in names and "a vs Σg/K" in names
 
 
 def test_specialist_structure_is_samples_by_rewards_with_blanks():

@@ -93,6 +93,7 @@ def test_writer_buffers_events_and_the_reads_are_incremental(store):
     assert [r["step"] for r in rows] == [1, 11] and [r["step"] for r in store.balance(run_id, since_step=1)] == [11]
     b = rows[0]
     assert b["alpha_raw"]["jpeg_compressibility"] == pytest.approx(0.5) and b["solver"] == "cvxpy-OSQP"
+    assert b["cosine"]["to_mean"] == {n: 0.25 for n in REWARDS}  # cos(g_k, Σg/K) kept beside the cosines
     assert b["cosine"]["names"] == REWARDS and b["cosine"]["matrix"][0][1] == pytest.approx(0.1)
     assert b["cos_to_update"] and b["grad_norms"]["brightness"] == 2.0 and b["valid"]["colorfulness"] is True
     assert store.sample_steps(run_id) == [20]

@@ -270,3 +270,18 @@ def test_the_parameter_ema_follows_the_releases_schedule_and_is_what_evaluation_
     resumed = Trainer(small_config("equal", steps=2, **{"optim.ema_decay": 0.9}), tmp_path / "again")
     resumed.load_checkpoint(ckpt)
     assert all(torch.equal(resumed.ema[n], trainer.ema[n]) for n in expected)
+
+
+def test_diagnostics_record_the_cosine_with_the_papers_weighted_sum_direction(tmp_path):
+    # equal α = 1/K, masked combination, no KL: the applied update IS (1/K)·Σ g_k, so both cosines agree
+    events, on_event = _collect()
+    train(small_config("equal", steps=1, **{"balance.diagnose_every": 1, "nft.kl_coef": 0.0}), tmp_path, on_event)
+    (b,) = [e for e in events if e.kind == "balance"]
+    assert set(b.cos_to_mean) == set(b.cos_to_update)
+    for n in b.cos_to_update:
+        assert b.cos_to_mean[n] == pytest.approx(b.cos_to_update[n], abs=1e-5)
+    # and a MARBLE full step's update is not that direction: the two are recorded apart
+    events, on_event = _collect()
+    train(small_config("marble", steps=1, **{"nft.kl_coef": 0.0}), tmp_path / "m", on_event)
+    (b,) = [e for e in events if e.kind == "balance"]
+    assert any(abs(b.cos_to_mean[n] - b.cos_to_update[n]) > 1e-4 for n in b.cos_to_update)
