@@ -157,7 +157,17 @@ def cmd_worker(store: Store, args) -> int:
 
     settings = RunnerSettings.from_env(poll_seconds=args.poll)
     try:
-        Worker(store, slots=args.slots, settings=settings).run(once=args.once)
+        if args.executor == "process":
+            worker = Worker(store, slots=args.slots, settings=settings)
+        else:  # hand the runs to Slurm (or submitit's local executor) instead: jobs/slurm.py, docs/cluster.md
+            from jobs.slurm import ClusterSettings, SlurmWorker
+
+            cluster = ClusterSettings(executor="local" if args.executor == "submitit-local" else "slurm",
+                                      partition=args.partition, time_limit_min=args.time_limit,
+                                      cpus_per_gpu=args.cpus_per_gpu, mem_gb=args.mem_gb, account=args.account,
+                                      qos=args.qos, constraint=args.constraint)
+            worker = SlurmWorker(store, cluster, slots=args.slots or 64, settings=settings)
+        worker.run(once=args.once)
     except WorkerBusy as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -275,6 +285,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--once", action="store_true", help="exit when nothing is queued or running")
     p.add_argument("--slots", type=int, help="concurrent jobs (default: one per GPU, one on CPU)")
     p.add_argument("--poll", type=float, help="seconds between queue checks (default 1)")
+    p.add_argument("--executor", choices=("process", "slurm", "submitit-local"), default="process",
+                   help="process: a local process per job (default); slurm: submit each run to Slurm through "
+                        "submitit (docs/cluster.md); submitit-local: submitit's local executor")
+    p.add_argument("--partition", help="slurm: the partition")
+    p.add_argument("--time-limit", type=int, default=24 * 60, metavar="MIN", help="slurm: minutes per job (default 1440)")
+    p.add_argument("--cpus-per-gpu", type=int, default=8, help="slurm: CPUs per GPU (default 8)")
+    p.add_argument("--mem-gb", type=int, help="slurm: memory per node in GB")
+    p.add_argument("--account", help="slurm: the account to charge")
+    p.add_argument("--qos", help="slurm: the quality of service")
+    p.add_argument("--constraint", help="slurm: a node feature constraint, e.g. h100")
     p.set_defaults(func=cmd_worker)
     return parser
 
