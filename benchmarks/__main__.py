@@ -8,7 +8,9 @@ carry over between machines even though the seconds do not:
 - peak_memory: training memory above the loaded model (peak RSS growth, one process per strategy);
 - reward_speed: milliseconds per 64x64 image of each offline reward, per image it applies to (world
   prompts with their specs, quoted text for OCR);
-- storage: the job writer's overhead per training step as a fraction of step time (benchmarks/storage.py).
+- storage: the job writer's overhead per training step as a fraction of step time (benchmarks/storage.py);
+- exact: the whole step harmonized on every step over weighted sum on mini-marble, per-sample against
+  per-reward gradients, and K = 8 against K = 4 (benchmarks/exact.py; --exact-steps, default 4).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 import time
 
 from benchmarks.dashboard import bench_dashboard_refresh, bench_dashboard_soak
+from benchmarks.exact import bench_exact_harmonization
 from benchmarks.storage import bench_storage
 
 STRATEGIES = ("weighted_sum", "marble", "marble_full")
@@ -169,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--only", nargs="*", choices=["step_time", "qp", "memory", "rewards", "storage",
-                                                      "dashboard", "soak"])
+                                                      "dashboard", "soak", "exact"])
+    parser.add_argument("--exact-steps", type=int, default=4, help="mini-marble steps per variant (exact)")
     parser.add_argument("--soak-seconds", type=float, default=120.0)
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -177,10 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_child:
         _memory_child(args.memory_child, args.steps)
         return 0
-    chosen = args.only or ["qp", "rewards", "step_time", "memory", "storage", "dashboard", "soak"]
+    chosen = args.only or ["qp", "rewards", "step_time", "memory", "storage", "exact", "dashboard", "soak"]
     runs = {"qp": bench_qp, "rewards": bench_rewards, "step_time": lambda: bench_step_time(args.steps),
             "memory": lambda: bench_memory(min(args.steps, 12)),
             "storage": lambda: bench_storage(args.steps),
+            "exact": lambda: bench_exact_harmonization(args.exact_steps),
             "dashboard": bench_dashboard_refresh, "soak": lambda: bench_dashboard_soak(args.soak_seconds)}
     for name in chosen:
         print(json.dumps(runs[name]()), flush=True)
