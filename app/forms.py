@@ -154,23 +154,27 @@ def parse_weights(text: str, rewards: list[str]) -> dict[str, float]:
 
 
 def parse_stages(text: str) -> list[dict]:
-    """'colorfulness:80; jpeg_compressibility+brightness:40' -> [{rewards, steps}, ...]."""
+    """'colorfulness:80; jpeg_compressibility+brightness:40@tiny' -> [{rewards, steps, sources}, ...]; an
+    optional '@source+source' names the prompt sources a stage draws from (default: all of the run's)."""
     stages = []
     for part in filter(None, (p.strip() for p in (text or "").replace("\n", ";").split(";"))):
         if ":" not in part:
             raise ConfigError("stages", part, "write reward+reward:steps, stages separated by ';', "
                                               "e.g. colorfulness:80; brightness+contrast:40")
         names, steps = part.rsplit(":", 1)
+        steps, _, where = steps.partition("@")
         try:
             n = int(steps.strip())
         except ValueError:
             raise ConfigError("stages", part, "the number of steps after ':' must be an integer") from None
-        stages.append({"rewards": [r.strip() for r in names.split("+") if r.strip()], "steps": n})
+        stages.append({"rewards": [r.strip() for r in names.split("+") if r.strip()], "steps": n,
+                       "sources": [src.strip() for src in where.split("+") if src.strip()]})
     return stages
 
 
 def format_stages(stages: list) -> str:
-    return "; ".join("+".join(s.rewards) + f":{s.steps}" for s in stages)
+    return "; ".join("+".join(s.rewards) + f":{s.steps}" + ("@" + "+".join(s.sources) if s.sources else "")
+                     for s in stages)
 
 
 def build_config(preset_name: str, values: dict[str, Any], rewards: list[str], weights_text: str,

@@ -243,6 +243,10 @@ class StageConfig:
 
     rewards: list[str]
     steps: int
+    sources: list[str] = field(default_factory=list)
+    """The prompt sources this stage draws from (a subset of prompts.sources; empty = every source of the run).
+    DiffusionNFT's staged training draws each stage's prompts from its rewards' own data: a specialist's stage
+    on prompts it applies to, not ¾ of images that carry no signal for it."""
 
 
 @dataclass
@@ -420,6 +424,12 @@ class TrainConfig:
             _require(sum(r.weight for r in self.rewards) > 0, "rewards[*].weight",
                      [r.weight for r in self.rewards], "weighted_sum needs at least one weight > 0")
         self.balance.validate(names)
+        for i, st in enumerate(self.balance.stages):
+            _require(isinstance(st.sources, list) and len(set(st.sources)) == len(st.sources)
+                     and all(src in self.prompts.sources for src in st.sources),
+                     f"balance.stages[{i}].sources", st.sources,
+                     f"must be distinct sources of the run (prompts.sources: {', '.join(self.prompts.sources)}); "
+                     f"empty = all of them")
         self.advantage.validate()
         self.optim.validate()
         _require(_is_int(self.steps) and 1 <= self.steps <= limits.MAX_STEPS, "steps", self.steps,
@@ -646,9 +656,11 @@ def mini_world(strategy: str = "marble", **balance: Any) -> TrainConfig:
 
 def _mini_sequential() -> TrainConfig:
     """DiffusionNFT's multi-reward recipe shape (spec §7), scaled to 200 steps: 50 on each specialist,
-    then 50 on the general reward."""
-    order = ("spatial_relation", "count_accuracy", "color_fidelity", "colorfulness")
-    return mini_world("sequential", stages=[StageConfig([r], MINI_WORLD_STEPS // len(order)) for r in order])
+    then 50 on the general reward, each stage on its reward's own prompt source."""
+    order = (("spatial_relation", "world-position"), ("count_accuracy", "world-count"),
+             ("color_fidelity", "world-color"), ("colorfulness", "world-general"))
+    return mini_world("sequential", stages=[StageConfig([r], MINI_WORLD_STEPS // len(order), [src])
+                                            for r, src in order])
 
 
 PRESETS: dict[str, tuple[str, Any]] = {

@@ -160,6 +160,7 @@ class Trainer:
         self.reward_weights = [r.weight for r in config.rewards]
         self.balancer = make_balancer(config.balance.strategy, self.reward_names, config.balance, self.reward_weights)
         self.prompts = PromptSampler(config.prompts.sources, config.prompts.split)
+        self._stage_prompts: dict[tuple[str, ...], PromptSampler] = {}  # sequential stages' own sources
         # the rollout sampler's σ grid without the final 0: the training timesteps (spec §2)
         self.sigmas = sampler_sigmas(self.pipe, config.sampling.num_steps, sampler=config.sampling.sampler)[:-1]
         self.step = 0
@@ -187,7 +188,7 @@ class Trainer:
         a process's share; each image depends only on its prompt and its own seed."""
         c = self.config.sampling
         rng = np.random.default_rng([self.config.seed, step])
-        items = self.prompts.sample(c.prompts_per_step, rng, step)
+        items = self._prompt_sampler(step).sample(c.prompts_per_step, rng, step)
         prompts = [it.text for it in items for _ in range(c.images_per_prompt)]
         metadata = [dict(it.metadata) for it in items for _ in range(c.images_per_prompt)]
         seeds = [int(s) for s in rng.integers(0, 2**31 - 1, size=len(prompts))]
@@ -207,6 +208,18 @@ class Trainer:
             image_parts.append(decode_latents(self.pipe, x0))
         x0, images = torch.cat(x0_parts), torch.cat(image_parts)
         return Rollout(x0, images, prompts, metadata, seeds, groups, emb, self.sigmas)
+
+    def _prompt_sampler(self, step: int) -> PromptSampler:
+        """The run's sampler, or a sequential stage's own sources (StageConfig.sources)."""
+        if not hasattr(self.balancer, "current_stage"):
+            return self.prompts
+        sources = self.config.balance.stages[self.balancer.current_stage(step)].sources
+        if not sources:
+            return self.prompts
+        key = tuple(sources)
+        if key not in self._stage_prompts:
+            self._stage_prompts[key] = PromptSampler(list(sources), self.config.prompts.split)
+        return self._stage_prompts[key]
 
     def _groups(self) -> torch.Tensor:
         """[B] the prompt group of each sample of a step's global batch."""

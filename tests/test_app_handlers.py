@@ -136,7 +136,13 @@ def test_form_values_become_a_validated_config_or_the_exact_error():
         build_config("tiny", {}, [], "", "", None, ["tiny"])
     with pytest.raises(ConfigError, match="is not a selected reward"):
         parse_weights("sharpness=2", ["colorfulness"])
-    assert parse_stages("a:3; b+c:4") == [{"rewards": ["a"], "steps": 3}, {"rewards": ["b", "c"], "steps": 4}]
+    assert parse_stages("a:3; b+c:4") == [{"rewards": ["a"], "steps": 3, "sources": []},
+                                          {"rewards": ["b", "c"], "steps": 4, "sources": []}]
+    assert parse_stages("a:3@world-color+world-count")[0]["sources"] == ["world-color", "world-count"]
+    from app.forms import format_stages
+    cfg = preset("mini-sequential")
+    assert parse_stages(format_stages(cfg.balance.stages)) == [
+        {"rewards": st.rewards, "steps": st.steps, "sources": st.sources} for st in cfg.balance.stages]
     with pytest.raises(ConfigError, match="must be an integer"):
         parse_stages("a:x")
 

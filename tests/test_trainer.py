@@ -285,3 +285,27 @@ def test_diagnostics_record_the_cosine_with_the_papers_weighted_sum_direction(tm
     train(small_config("marble", steps=1, **{"nft.kl_coef": 0.0}), tmp_path / "m", on_event)
     (b,) = [e for e in events if e.kind == "balance"]
     assert any(abs(b.cos_to_mean[n] - b.cos_to_update[n]) > 1e-4 for n in b.cos_to_update)
+
+
+def test_a_sequential_stage_samples_only_its_own_sources(tmp_path):
+    cfg = small_config("sequential", steps=2, **{
+        "prompts.sources": ["world-color", "world-count", "world-general"],
+        "sampling.prompts_per_step": 3,
+        "balance.stages": [{"rewards": ["colorfulness"], "steps": 1, "sources": ["world-color"]},
+                           {"rewards": ["brightness"], "steps": 1, "sources": ["world-count", "world-general"]}]})
+    trainer = Trainer(cfg, tmp_path)
+    first, second = ({m["source"] for m in trainer.rollout(s).metadata} for s in (0, 1))
+    assert first == {"world-color"}
+    assert second <= {"world-count", "world-general"} and len(second) == 2
+    # without stage sources, every source of the run is drawn
+    plain = Trainer(cfg.with_overrides({"balance.stages": [{"rewards": ["colorfulness"], "steps": 2}]}), tmp_path)
+    assert {m["source"] for m in plain.rollout(0).metadata} == {"world-color", "world-count", "world-general"}
+
+
+def test_stage_sources_must_be_sources_of_the_run():
+    from core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"balance.stages\[0\].sources=\['world-color'\]: must be distinct sources "
+                                          r"of the run \(prompts.sources: tiny\)"):
+        small_config("sequential", **{"balance.stages": [{"rewards": ["colorfulness"], "steps": 1,
+                                                          "sources": ["world-color"]}]})
