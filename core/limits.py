@@ -102,7 +102,7 @@ def estimate_memory(config: Any, world_size: int = 1) -> dict[str, int]:
     text_tokens = p.clip_tokens + s.max_sequence_length
     image_tokens = (latent_side // p.patch) ** 2
     lora = 8 * p.layers * m.lora_rank * 2 * p.width
-    weights = int(p.params * d + 5 * 4 * lora)
+    weights = int(_weights_bytes(m.name, p, d) + 5 * 4 * lora)
     per_sample = (p.latent_channels * latent_side**2 * 4 + 3 * s.resolution**2 * 4 + text_tokens * p.text_dim * d)
     chunk = min(s.rollout_batch_size or per_process, per_process)
     sampling = chunk * 3 * p.vae_width * s.resolution**2 * d
@@ -111,6 +111,26 @@ def estimate_memory(config: Any, world_size: int = 1) -> dict[str, int]:
     training = micro * p.layers * kept_per_block * (image_tokens + text_tokens) * p.width * d
     return {"weights": weights, "rollout": per_process * per_sample, "sampling": int(sampling),
             "training": int(training)}
+
+
+def _weights_bytes(name: str, p: ModelProfile, d: int) -> float:
+    """A built-in model: its parameter count. A local folder or cached repo: its safetensors files' size,
+    taken as 16-bit on disk (x2 in float32). A repo id not cached here: SD3.5 Medium's count (the preset's
+    model, downloaded later). Anything else names no model: 0 here, and the loader says what is missing."""
+    from pathlib import Path
+
+    from core.cache import hf_cache_dir
+
+    if name in PROFILES:
+        return p.params * d
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        folder = Path(hf_cache_dir()) / ("models--" + name.replace("/", "--")) / "snapshots"
+    if folder.is_dir():
+        size = sum(f.stat().st_size for f in folder.rglob("*.safetensors") if f.is_file())
+        if size:
+            return size * d / 2
+    return p.params * d if name.count("/") == 1 and not name.startswith((".", "/", "~")) else 0.0
 
 
 # The field to lower when a part is too big, and what to say about it.
