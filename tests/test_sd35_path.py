@@ -234,7 +234,11 @@ def test_gpu_check_runs_the_trainer_on_cpu_with_tiny(tmp_path):
     assert json.loads((tmp_path / "gpu.json").read_text())["paper"] == {"marble_speed": 0.97, "marble_memory": 1.14,
                                                                        "marble_full_speed": 0.56}
     strategies = report["strategies"]
-    assert set(strategies) == {"weighted_sum", "marble", "marble_full", "marble_full_step_scope"}
+    assert set(strategies) == {"weighted_sum", "marble", "marble_full", "marble_full_step_scope",
+                               "marble_full_step_scope_per_reward"}
+    assert strategies["marble_full_step_scope"]["gradients"] == "per_sample"
+    assert strategies["marble_full_step_scope_per_reward"]["gradients"] == "per_reward"
+    assert report["projected_to_paper_step"]["marble_full_step_scope_per_reward_speed"] > 0
     # MARBLE's timed window is one refresh period: 9 amortized steps and the full step at N = 10
     assert strategies["marble"]["full_steps"] == [False] * 9 + [True]
     assert all(strategies["marble_full"]["full_steps"]) and not any(strategies["weighted_sum"]["full_steps"])
