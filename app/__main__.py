@@ -8,6 +8,7 @@ without the login the share link is refused, never opened.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -39,14 +40,45 @@ def main() -> int:
     from app.main import STATIC, build_app, css
     from jobs.runner import ensure_worker
 
+    from jobs.runner import worker_pid
+
     store = context.store()
+    ours = worker_pid(store.home) is None  # a worker someone started by hand is left alone on exit
     ensure_worker(store)  # queued runs start even if no page is open; jobs outlive this process
     demo = build_app()
     demo.queue(default_concurrency_limit=8)
     print(f"MARBLE Studio on http://{host}:{port}  (data: {store.home})", flush=True)
-    demo.launch(server_name=host, server_port=port, auth=auth, share=share and auth is not None, css=css(), allowed_paths=[str(store.home)],
-                favicon_path=str(STATIC / "logo.svg"), footer_links=[], show_error=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill`, `docker stop`: the same goodbye as Ctrl-C
+    try:
+        demo.launch(server_name=host, server_port=port, auth=auth, share=share and auth is not None, css=css(), allowed_paths=[str(store.home)],
+                    favicon_path=str(STATIC / "logo.svg"), footer_links=[], show_error=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print(farewell(store, ours), flush=True)
     return 0
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def farewell(store, ours: bool = True) -> str:
+    """On exit: with nothing queued or running, the worker this app started stops too; otherwise say which runs
+    keep going in the background and how to stop them."""
+    from jobs.runner import active_runs_line, stop_worker, worker_pid
+
+    line = active_runs_line(store)
+    if line:
+        return (f"MARBLE Studio stopped. These runs keep going in the background worker: {line}. Watch them with "
+                f"`python -m jobs list`, stop one with `python -m jobs cancel RUN`, or stop the worker (running "
+                f"jobs finish on their own) with `python -m jobs worker --stop`.")
+    if not ours or worker_pid(store.home) is None:
+        return "MARBLE Studio stopped."
+    try:
+        return f"MARBLE Studio stopped, and its idle worker with it ({stop_worker(store.home, timeout=15)})."
+    except TimeoutError as e:
+        return f"MARBLE Studio stopped; {e}."
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@
     python -m jobs logs RUN [--lines N]
     python -m jobs export RUN --format csv|parquet [--out FILE]
     python -m jobs export RUN --format hub --out DIR [--checkpoint STEP] [--push REPO_ID] [--license ID]
-    python -m jobs worker [--once] [--slots N]
+    python -m jobs worker [--once] [--slots N] | worker --stop
 
 Everything lives under the data directory: --home, else $MARBLE_HOME, else ./runs (the database
 marble.db, one folder per run with its config, job.log, samples and checkpoints). --db (or
@@ -153,8 +153,14 @@ def _export_hub(store: Store, args) -> int:
 
 
 def cmd_worker(store: Store, args) -> int:
-    from jobs.runner import RunnerSettings, Worker, WorkerBusy
+    from jobs.runner import RunnerSettings, Worker, WorkerBusy, active_runs_line, stop_worker
 
+    if args.stop:  # the worker leaves; its running jobs go on (each in its own process group)
+        print(stop_worker(store.home))
+        line = active_runs_line(store)
+        if line:
+            print(f"still queued or running: {line}; `python -m jobs cancel RUN` stops one")
+        return 0
     settings = RunnerSettings.from_env(poll_seconds=args.poll)
     try:
         if args.executor == "process":
@@ -283,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("worker", help="run the queue without the UI")
     p.add_argument("--once", action="store_true", help="exit when nothing is queued or running")
+    p.add_argument("--stop", action="store_true", help="stop the worker that serves this data directory (running "
+                                                       "jobs go on; `cancel RUN` stops one) and exit")
     p.add_argument("--slots", type=int, help="concurrent jobs (default: one per GPU, one on CPU)")
     p.add_argument("--poll", type=float, help="seconds between queue checks (default 1)")
     p.add_argument("--executor", choices=("process", "slurm", "submitit-local"), default="process",

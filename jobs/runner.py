@@ -346,6 +346,32 @@ def ensure_worker(store: Store, extra_args: list[str] | None = None) -> int:
     return proc.pid
 
 
+def stop_worker(home: str | Path, timeout: float = 30.0) -> str:
+    """Ask the worker of ``home`` to stop (SIGTERM: it finishes its round and leaves; running jobs go on, in
+    their own process groups) and wait until it has let go of its lock. Returns what happened, in a sentence."""
+    pid = worker_pid(home)
+    if not pid or pid < 0:
+        return f"no worker serves {home}"
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return f"no worker serves {home} (pid {pid} is gone)"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if worker_pid(home) is None:
+            return f"worker {pid} stopped"
+        time.sleep(0.1)
+    raise TimeoutError(f"worker {pid} did not stop within {timeout:.0f} s; `kill {pid}` stops it")
+
+
+def active_runs_line(store: Store) -> str | None:
+    """The runs a worker still owes (queued or running), as '#3 name (running 40/200), ...', or None."""
+    active = store.list_runs(status=list(s.ACTIVE))
+    if not active:
+        return None
+    return ", ".join(f"#{r.id} {r.name or r.strategy} ({r.status} {r.step}/{r.total_steps})" for r in active)
+
+
 class Worker:
     """Runs the queue: ``tick()`` reaps, reconciles, escalates cancels and starts jobs; ``run()`` loops."""
 
