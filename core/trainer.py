@@ -122,6 +122,30 @@ class _HarmonizedSums:
         self.losses += losses
 
 
+def harmonized_order(valid: torch.Tensor, m: int) -> tuple[torch.Tensor, list[int]]:
+    """An order of a process's n samples whose first micro-batch (its first m) holds at least one valid sample
+    of every reward that has one anywhere (spec §4: a reward absent from the harmonized unit would get a zero
+    gradient, α = 0 and an EMA cut). Samples move only when a reward is missing: greedily, a valid sample of
+    the missing reward swaps with a first-micro-batch sample no other present reward depends on alone.
+    Returns (order [n], the rewards it could not bring in). Shapes: valid [n, K] bool."""
+    n, K = valid.shape
+    order = torch.arange(n)
+    missing = []
+    for k in range(K):
+        head = order[:m]
+        if not valid[order, k].any() or valid[head, k].any():
+            continue
+        counts = valid[head].sum(dim=0)  # [K] valid samples per reward in the first micro-batch
+        victims = [p for p in range(min(m, n)) if not bool(((counts == 1) & valid[order[p]]).any())]
+        donor = next(p for p in range(m, n) if valid[order[p], k])
+        if not victims:
+            missing.append(k)
+            continue
+        p = victims[0]
+        order[p], order[donor] = order[donor].clone(), order[p].clone()
+    return order, missing
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, out_dir: str | Path,
                  on_event: Callable[[Event], None] | None = None,
@@ -289,9 +313,12 @@ class Trainer:
         T_grid = len(self.sigmas)
         T = max(1, int(T_grid * nft.timestep_fraction))
         t_index = torch.stack([_timestep_order(cfg.seed, step, i, T_grid)[:T] for i in shard.tolist()])  # [n, T]
-        units = [(mb, j) for mb in torch.arange(n).split(self.micro_batch_size) for j in range(T)]
-        U = len(units)  # this process's units; every process has as many (core.distributed.check_batch_split)
         full = self.balancer.needs_gradients(step) and not self.balancer.scalarize
+        local = torch.arange(n)  # the order in which this process's samples form micro-batches
+        if full and bal.refresh_scope == "first_microbatch" and step >= bal.warmup_steps:
+            local = self._stratify_harmonized(r_rewards, step)
+        units = [(mb, j) for mb in local.split(self.micro_batch_size) for j in range(T)]
+        U = len(units)  # this process's units; every process has as many (core.distributed.check_batch_split)
         kinds = self._unit_kinds(step, U, full)
         whole_step = full and bal.refresh_scope == "step"
         acc = _HarmonizedSums.zeros(K, self.policy.num_trainable, self.device) if whole_step else None
@@ -344,6 +371,16 @@ class Trainer:
             self.emit(BalanceEvent(step=self.step, **diag))
         if cfg.sample_every and (self.step % cfg.sample_every == 0 or self.step == 1) and dist.is_main:
             self._save_samples(batch, shard, R[shard], A[shard])
+
+    def _stratify_harmonized(self, r: torch.Tensor, step: int) -> torch.Tensor:
+        """The sample order that puts every reward with a valid sample on this process into the harmonized
+        first micro-batch (:func:`harmonized_order`); a reward that cannot be brought in is said in a notice."""
+        order, missing = harmonized_order(torch.isfinite(r).cpu(), self.micro_batch_size)
+        if missing:
+            self.notice(f"step {step}: the harmonized micro-batch of {self.micro_batch_size} samples could not hold a "
+                        f"valid sample of {', '.join(self.reward_names[k] for k in missing)} (each of its samples is "
+                        f"another reward's only one); they get α* = 0 on this solve")
+        return order
 
     # ---- the three kinds of unit --------------------------------------------------------------------
     def _unit_kinds(self, step: int, U: int, full: bool) -> list[str]:

@@ -309,3 +309,26 @@ def test_stage_sources_must_be_sources_of_the_run():
                                           r"of the run \(prompts.sources: tiny\)"):
         small_config("sequential", **{"balance.stages": [{"rewards": ["colorfulness"], "steps": 1,
                                                           "sources": ["world-color"]}]})
+
+
+def test_the_harmonized_micro_batch_holds_every_reward_that_has_a_valid_sample():
+    from core.trainer import harmonized_order
+
+    # 8 samples, micro-batches of 3; reward 0 general, reward 1 valid only on samples 5 and 6, reward 2 only on 2
+    valid = torch.zeros(8, 3, dtype=torch.bool)
+    valid[:, 0] = True
+    valid[[5, 6], 1] = True
+    valid[2, 2] = True
+    order, missing = harmonized_order(valid, 3)
+    assert sorted(order.tolist()) == list(range(8)) and missing == []
+    head = valid[order[:3]]
+    assert head.any(dim=0).all()  # every reward present in the first micro-batch
+    assert 2 in order[:3].tolist()  # reward 2's only sample stayed
+    # nothing moves when every reward is already present
+    valid[1, 1] = True
+    assert torch.equal(harmonized_order(valid, 3)[0], torch.arange(8))
+    # a reward valid nowhere is not asked for; one that cannot fit is reported
+    none = torch.zeros(4, 3, dtype=torch.bool)
+    none[0, 0], none[3, 1], none[2, 2] = True, True, True
+    order, missing = harmonized_order(none, 1)  # one slot for three rewards
+    assert order[0].item() == 0 and missing == [1, 2]
