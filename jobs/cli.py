@@ -171,7 +171,7 @@ def cmd_worker(store: Store, args) -> int:
             cluster = ClusterSettings(executor="local" if args.executor == "submitit-local" else "slurm",
                                       partition=args.partition, time_limit_min=args.time_limit,
                                       cpus_per_gpu=args.cpus_per_gpu, mem_gb=args.mem_gb, account=args.account,
-                                      qos=args.qos, constraint=args.constraint)
+                                      qos=args.qos, constraint=args.constraint, folder=args.submitit_folder)
             worker = SlurmWorker(store, cluster, slots=args.slots or 64, settings=settings)
         worker.run(once=args.once)
     except WorkerBusy as e:
@@ -303,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--account", help="slurm: the account to charge")
     p.add_argument("--qos", help="slurm: the quality of service")
     p.add_argument("--constraint", help="slurm: a node feature constraint, e.g. h100")
+    p.add_argument("--submitit-folder", metavar="DIR",
+                   help="slurm: submitit's private folder, on a filesystem the nodes see, outside the data directory "
+                        "(default ~/.marble-studio/submitit; created mode 700)")
     p.set_defaults(func=cmd_worker)
     return parser
 

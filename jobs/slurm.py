@@ -19,8 +19,11 @@ its stop flag and the run's job.log, so the app shows a cluster run's status, lo
   interrupted with Slurm's state and the tail of job.log; ``python -m jobs resume RUN`` continues it.
 
 ``executor="local"`` is submitit's LocalExecutor (the tests, and a machine without Slurm). submitit keeps its
-own files (the submitted call, pickled by submitit itself) under ``<data dir>/submitit/``; MARBLE Studio never
-reads them back (no ``job.result()``): the outcome is what the job wrote to the store.
+own files — the submitted call, which submitit pickles here and unpickles on the node — in a private folder
+(``ClusterSettings.folder``, default ``~/.marble-studio/submitit``) that must be owned by this user and
+writable by no one else, and may not lie inside the data directory: the web app serves files from there, and
+nothing a user can reach is ever unpickled. MARBLE Studio never reads them back (no ``job.result()``): the
+outcome is what the job wrote to the store.
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ import os
 import subprocess
 import sys
 import time
+import hashlib
+import stat
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from jobs import schema as s
@@ -55,6 +61,10 @@ class ClusterSettings:
     account: str | None = None
     qos: str | None = None
     constraint: str | None = None
+    folder: str | None = None  # submitit's private folder (module docstring); on a filesystem the nodes see
+
+    def submitit_root(self) -> Path:
+        return Path(self.folder).expanduser() if self.folder else Path.home() / ".marble-studio" / "submitit"
 
     def validate(self) -> None:
         if self.executor not in EXECUTORS:
@@ -63,6 +73,22 @@ class ClusterSettings:
             raise ValueError(f"time_limit_min={self.time_limit_min!r}: must be an integer >= 1 (minutes)")
         if not (isinstance(self.cpus_per_gpu, int) and self.cpus_per_gpu >= 1):
             raise ValueError(f"cpus_per_gpu={self.cpus_per_gpu!r}: must be an integer >= 1")
+
+
+def private_folder(path: Path, data_dir: Path) -> Path:
+    """Create (mode 0700) or check submitit's folder: outside the data directory the web app serves, owned by
+    this user, group- and world-unwritable — the pickles in it run as code on the nodes."""
+    path, data_dir = path.resolve(), data_dir.resolve()
+    if path == data_dir or data_dir in path.parents:
+        raise ValueError(f"submitit folder {str(path)!r}: must not lie inside the data directory {str(data_dir)!r} "
+                         f"(the web app serves files from there); pick one with --submitit-folder")
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ValueError(f"submitit folder {str(path)!r}: must be owned by this user and writable by no one else "
+                         f"(mode {stat.filemode(info.st_mode)}); submitit runs the files in it as code on the nodes "
+                         f"(chmod 700 it, or pick another with --submitit-folder)")
+    return path
 
 
 def node_command(run_id: int, home: str, db_url: str, num_processes: int, num_nodes: int, node_rank: int,
@@ -124,7 +150,8 @@ class SlurmWorker(Worker):
         import submitit
 
         c = self.cluster
-        folder = self.store.home / "submitit" / f"run_{run.id:06d}"
+        home_key = hashlib.sha1(str(self.store.home.resolve()).encode()).hexdigest()[:12]  # one data dir each
+        folder = private_folder(c.submitit_root(), self.store.home) / home_key / f"run_{run.id:06d}"
         if c.executor == "local":  # this machine's devices, as the local worker uses them
             if run.num_nodes > 1:
                 raise ValueError(f"num_nodes={run.num_nodes}: submitit's local executor runs one node; use Slurm")

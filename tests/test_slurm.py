@@ -1,6 +1,7 @@
 """Slurm dispatch (jobs.slurm) through submitit's LocalExecutor: a run goes queued -> running -> succeeded in the
 store with its job log, and a running one can be cancelled; the node command is torchrun with the node's rank."""
 
+import stat
 import sys
 import time
 
@@ -8,7 +9,7 @@ import pytest
 
 from jobs import schema as s
 from jobs.runner import RunnerSettings, cancel, submit
-from jobs.slurm import ClusterSettings, SlurmWorker, node_command, slurm_parameters
+from jobs.slurm import ClusterSettings, SlurmWorker, node_command, private_folder, slurm_parameters
 from jobs.storage import Store
 from tests.helpers import small_config
 
@@ -32,7 +33,7 @@ def _drive(worker, store, run_id, until, timeout=300.0):
 def setup(tmp_path, monkeypatch):
     monkeypatch.setenv("MARBLE_HEARTBEAT_SECONDS", "0.3")
     store = Store.open(tmp_path / "home")
-    worker = SlurmWorker(store, ClusterSettings(executor="local", time_limit_min=10),
+    worker = SlurmWorker(store, ClusterSettings(executor="local", time_limit_min=10, folder=str(tmp_path / "private")),
                          settings=RunnerSettings(cancel_grace=60.0))
     yield store, worker
     for job in worker.jobs.values():
@@ -55,6 +56,24 @@ def test_a_dispatched_run_goes_queued_running_succeeded(setup):
         worker.tick()
         time.sleep(0.3)
     assert worker.jobs == {} and store.status(run_id) == s.SUCCEEDED
+    # submitit's pickles (run as code on the node) live in the private folder, none in the served data dir
+    assert not [p for p in store.home.rglob("*.pkl")]
+    pickles = list((store.home.parent / "private").rglob("*.pkl"))
+    assert pickles and stat.S_IMODE((store.home.parent / "private").stat().st_mode) == 0o700
+
+
+def test_the_submitit_folder_is_private_and_outside_the_data_directory(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    with pytest.raises(ValueError, match="must not lie inside the data directory"):
+        private_folder(home / "submitit", home)
+    made = private_folder(tmp_path / "a" / "b", home)
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ValueError, match=r"writable by no one else \(mode drwxrwxrwx\)"):
+        private_folder(shared, home)
 
 
 @pytest.mark.slow
