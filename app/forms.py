@@ -9,6 +9,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import json
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -77,7 +78,8 @@ def _choices(path: str) -> tuple[str, ...]:
         return tuple(available_balancers())
     return {"advantage.std_mode": cfgmod.STD_MODES, "balance.refresh_scope": cfgmod.REFRESH_SCOPES,
             "balance.amortized_combination": cfgmod.AMORTIZED_COMBINATIONS, "sampling.sampler": cfgmod.SAMPLERS,
-            "model.dtype": cfgmod.DTYPES, "prompts.split": ("train", "test"), "report_to": cfgmod.TRACKERS}.get(path, ())
+            "model.dtype": cfgmod.DTYPES,
+            "prompts.split": ("train", "test"), "report_to": cfgmod.TRACKERS}.get(path, ())
 
 
 def form_fields(base: TrainConfig | None = None) -> list[FormField]:
@@ -108,6 +110,8 @@ def form_fields(base: TrainConfig | None = None) -> list[FormField]:
                 kind = "float"
             else:
                 kind = "text"
+            if isinstance(value, dict):  # e.g. balance.reward_groups: edited as JSON text
+                kind, value = "text", json.dumps(value)
             label = f.name.replace("_", " ")
             out.append(FormField(path, label, kind, value, docs.get((type(obj).__name__, f.name), ""), choices))
 
@@ -215,7 +219,7 @@ def config_form_values(cfg: TrainConfig, fields: list[FormField]) -> list[Any]:
         node: Any = data
         for part in f.path.split("."):
             node = node[part]
-        values.append(node)
+        values.append(json.dumps(node) if isinstance(node, dict) else node)
     weights = ", ".join(f"{r.name}={r.weight:g}" for r in cfg.rewards if r.weight != 1.0)
     return [*values, cfg.reward_names, weights, format_stages(cfg.balance.stages), cfg.balance.single_reward,
             list(cfg.prompts.sources)]
@@ -223,6 +227,14 @@ def config_form_values(cfg: TrainConfig, fields: list[FormField]) -> list[Any]:
 
 def _coerce(value: Any, current: Any, path: str) -> Any:
     """Gradio numbers arrive as floats; ints must stay ints so validation sees the user's value."""
+    if isinstance(current, dict) and isinstance(value, str):
+        try:
+            parsed = json.loads(value or "{}")
+        except json.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise ConfigError(path, value, 'must be a JSON object, e.g. {"general": ["pickscore", "hpsv2"]} or {}')
+        return parsed
     if isinstance(current, bool):
         return bool(value)
     if isinstance(current, int) and isinstance(value, float) and value.is_integer():

@@ -40,10 +40,13 @@ def gram_from_row(row: dict, reward_names: Sequence[str]) -> np.ndarray:
 
 
 def replay(rows: Sequence[dict], reward_names: Sequence[str], ema_rho: float, refresh_every: int,
-           normalize: bool = True) -> ReplayResult:
-    """Run the MARBLE balancer over the stored rows (steps are the runs' 1-based steps)."""
+           normalize: bool = True, alpha_floor: float = 0.0, reward_groups: dict | None = None,
+           group_weights: dict | None = None) -> ReplayResult:
+    """Run the MARBLE balancer over the stored rows (steps are the runs' 1-based steps), optionally with the
+    release's knobs: an α floor, reward groups and per-group weights (BalanceConfig documents each)."""
     config = BalanceConfig(strategy="marble", ema_rho=ema_rho, refresh_every=refresh_every, warmup_steps=1,
-                           normalize=normalize)
+                           normalize=normalize, alpha_floor=alpha_floor, reward_groups=dict(reward_groups or {}),
+                           group_weights=dict(group_weights or {}))
     config.validate(list(reward_names))
     balancer = make_balancer("marble", list(reward_names), config, None)
     steps, recorded, replayed, solves = [], [], [], []

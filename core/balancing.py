@@ -519,8 +519,42 @@ class MarbleBalancer(Balancer):
                                time.perf_counter() - start)
 
     def _harmonize(self, G: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
-        """(α*, c, solver) with d = Σ c_k g_k; invalid rewards get α*_k = c_k = 0."""
-        K = self.num_rewards
+        """(α*, c, solver) with d = Σ c_k g_k; invalid rewards get α*_k = c_k = 0.
+
+        With ``reward_groups`` (the release's pareto.reward_groups) the QP runs on the M groups and lone rewards,
+        a group's gradient being the mean of its members' (G_M = P G Pᵀ, P [M, K] the averaging matrix, invalid
+        gradients counted as zero as the release's sanitized vectors are); each member gets α_group/|group| and
+        c_group/|group|."""
+        P = self._grouping()
+        if P is None:
+            return self._harmonize_units(G, valid)
+        G0 = np.where(np.outer(valid, valid), np.nan_to_num(G), 0.0)
+        G_M = P @ G0 @ P.T
+        alpha_M, c_M, solver = self._harmonize_units(G_M, valid_gradients(G_M))
+        return P.T @ alpha_M, P.T @ c_M, solver  # P's rows are 1/|group| on the members
+
+    def _grouping(self) -> np.ndarray | None:
+        """[M, K] averaging matrix of the groups then the lone rewards (None without reward_groups)."""
+        groups = self.config.reward_groups
+        if not groups:
+            return None
+        grouped = {r for members in groups.values() for r in members}
+        rows = [list(members) for members in groups.values()] + [[r] for r in self.reward_names if r not in grouped]
+        P = np.zeros((len(rows), self.num_rewards))
+        for i, members in enumerate(rows):
+            for r in members:
+                P[i, self.reward_names.index(r)] = 1.0 / len(members)
+        return P
+
+    def unit_names(self) -> list[str]:
+        """The names the QP balances: the groups, then the rewards in no group (the rewards without groups)."""
+        groups = self.config.reward_groups
+        grouped = {r for members in groups.values() for r in members}
+        return list(groups) + [r for r in self.reward_names if r not in grouped]
+
+    def _harmonize_units(self, G: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
+        """The min-norm step on M units (rewards or groups), with the release's per-unit weights and α floor."""
+        K = G.shape[0]
         alpha, weights = np.zeros(K), np.zeros(K)
         idx = np.flatnonzero(valid)
         if idx.size == 0:
@@ -530,15 +564,33 @@ class MarbleBalancer(Balancer):
             return alpha, weights, "single-valid"
         G_valid = G[np.ix_(idx, idx)]
         norms = np.sqrt(np.diag(G_valid))              # ‖g_k‖
+        names = self.unit_names()
+        u = np.array([float(self.config.group_weights.get(names[i], 1.0)) for i in idx])  # release: weights
+        scale = norms if self.config.normalize else np.ones_like(norms)
+        G_solve = G_valid / np.outer(scale, scale) * np.outer(u, u)   # Gram of u_k·ĝ_k (or u_k·g_k)
+        w, solver = self._solve_floored(G_solve)
         if self.config.normalize:
-            G_hat = G_valid / np.outer(norms, norms)   # Ĝ_ij = ĝ_i·ĝ_j
-            w, solver = self._solve_weights(G_hat)
-            weights[idx] = w * norms.mean() / norms    # d = Σ w_k ĝ_k · mean‖g‖
+            weights[idx] = w * u * norms.mean() / norms  # d = Σ w_k u_k ĝ_k · mean‖g‖
         else:                                          # ablation: raw scale decides α
-            w, solver = self._solve_weights(G_valid)
-            weights[idx] = w
+            weights[idx] = w * u
         alpha[idx] = w / w.sum()
         return alpha, weights, solver
+
+    def _solve_floored(self, G: np.ndarray) -> tuple[np.ndarray, str]:
+        """min αᵀGα on the simplex with α_k >= f (alpha_floor, capped at 1/M). With α = f·1 + s·β
+        (s = 1 − M·f) and β on the simplex, αᵀGα = ‖Σ_k β_k h_k‖² for h_k = s·g_k + f·Σ_j g_j: the plain
+        min-norm problem on the Gram H of the h_k, solved by the same QP."""
+        M = G.shape[0]
+        f = min(float(self.config.alpha_floor), 1.0 / M)
+        if f <= 0:
+            return self._solve_weights(G)
+        s = 1.0 - M * f
+        if s <= 1e-12:
+            return np.full(M, 1.0 / M), "floor:uniform"
+        G1 = G.sum(axis=1)
+        H = s * s * G + s * f * (G1[:, None] + G1[None, :]) + f * f * G.sum()
+        beta, solver = self._solve_weights(H)
+        return f + s * beta / beta.sum(), f"{solver}:floor={f:g}"
 
     def _solve_weights(self, gram: np.ndarray) -> tuple[np.ndarray, str]:
         """Weights w on the (normalized) valid gradients; here the min-norm α* (sums to 1)."""

@@ -280,6 +280,22 @@ class BalanceConfig:
     masked, r-weighted mean — the same gradients for any K at the cost of ~2 backward passes; falls back to
     "per_reward" (and says so) when a unit's per-sample gradients would not fit in memory. "per_reward": one
     backward pass per reward (K)."""
+    reward_groups: dict[str, list[str]] = field(default_factory=dict)
+    """The release's pareto.reward_groups (off by default): the QP balances groups, each group's gradient the
+    mean of its members' (e.g. {"general": ["pickscore", "hpsv2", "clipscore"]}); a member's α is its group's
+    α divided by the group's size. Rewards in no group stand alone."""
+    group_weights: dict[str, float] = field(default_factory=dict)
+    """The release's pareto.reward_weights (off by default): a weight per group or lone reward (default 1)
+    multiplying its normalized gradient before the QP, which changes the hull the min-norm point is taken on."""
+    alpha_floor: float = 0.0
+    """The release's pareto.alpha_floor (off by default): the QP's lower bound on each α (capped at 1/M for M
+    groups and lone rewards)."""
+    reward_dropout: dict[str, float] = field(default_factory=dict)
+    """The release's pareto.reward_dropout_targets/prob (off by default): reward → probability that, on a unit,
+    the reward is dropped from the samples where a reward outside this table applies (its signal kept only on
+    the samples no non-target reward covers). Drawn per (seed, step, timestep) and recorded in the events."""
+    reward_dropout_warmup_steps: int = 0
+    """Linear ramp of the dropout probabilities from 0 over this many steps (0 = constant)."""
     single_reward: str | None = None
     """For strategy "single": the one reward that trains."""
     stages: list[StageConfig] = field(default_factory=list)
@@ -305,6 +321,7 @@ class BalanceConfig:
                  self.amortized_combination, f"valid choices: {', '.join(AMORTIZED_COMBINATIONS)}")
         _require(self.gradients in GRADIENT_PATHS, f"{prefix}.gradients", self.gradients,
                  f"valid choices: {', '.join(GRADIENT_PATHS)}")
+        _validate_balance_knobs(self, reward_names, prefix)
         if self.strategy == "single":
             _require(self.single_reward in reward_names, f"{prefix}.single_reward", self.single_reward,
                      f"strategy 'single' needs one of the run's rewards: {', '.join(reward_names)}")
@@ -318,6 +335,33 @@ class BalanceConfig:
                      f"must be a non-empty subset of the run's rewards: {', '.join(reward_names)}")
             _require(_is_int(st.steps) and st.steps >= 1, f"{prefix}.stages[{i}].steps", st.steps,
                      "must be an integer >= 1")
+
+
+def _validate_balance_knobs(self: "BalanceConfig", reward_names: list[str], prefix: str) -> None:
+    """The release's optional knobs: groups, group weights, α floor, reward dropout."""
+    groups = self.reward_groups
+    _require(isinstance(groups, dict) and all(isinstance(g, str) and g and isinstance(m, list) and len(m) >= 1
+                                              for g, m in groups.items()),
+             f"{prefix}.reward_groups", groups, "must map group names to non-empty lists of reward names")
+    seen: list[str] = []
+    for g, members in groups.items():
+        _require(all(r in reward_names for r in members), f"{prefix}.reward_groups.{g}", members,
+                 f"must list the run's rewards: {', '.join(reward_names)}")
+        _require(not set(members) & set(seen) and len(set(members)) == len(members), f"{prefix}.reward_groups.{g}",
+                 members, "a reward may belong to one group, once")
+        _require(g not in reward_names, f"{prefix}.reward_groups", g, "a group may not be named like a reward")
+        seen += members
+    units = list(groups) + [r for r in reward_names if r not in seen]
+    w = self.group_weights
+    _require(isinstance(w, dict) and all(k in units and _is_number(v) and v > 0 for k, v in w.items()),
+             f"{prefix}.group_weights", w, f"must map groups or lone rewards ({', '.join(units)}) to numbers > 0")
+    _require(_is_number(self.alpha_floor) and 0 <= self.alpha_floor <= 1, f"{prefix}.alpha_floor", self.alpha_floor,
+             "must be a number in [0, 1] (it is capped at 1/M for M groups and lone rewards)")
+    d = self.reward_dropout
+    _require(isinstance(d, dict) and all(k in reward_names and _is_number(v) and 0 <= v <= 1 for k, v in d.items()),
+             f"{prefix}.reward_dropout", d, f"must map rewards ({', '.join(reward_names)}) to probabilities in [0, 1]")
+    _require(_is_int(self.reward_dropout_warmup_steps) and self.reward_dropout_warmup_steps >= 0,
+             f"{prefix}.reward_dropout_warmup_steps", self.reward_dropout_warmup_steps, "must be an integer >= 0")
 
 
 @dataclass

@@ -76,6 +76,7 @@ class BalanceEvent(Event):
     phase: str  # "full" or "diagnostic"
     update_norm: float = float("nan")
     solve_seconds: float = 0.0
+    dropped: list[str] = field(default_factory=list)  # rewards dropped on this unit (balance.reward_dropout)
     cos_to_mean: dict[str, float] = field(default_factory=dict)  # cos(g_k, (1/K)·Σ_j g_j), the paper's Fig. S2
     gradients: str = "per_reward"  # how the g_k were formed: "per_sample" (2 backward passes) or "per_reward" (K)
 

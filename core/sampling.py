@@ -102,7 +102,8 @@ def latent_shape(pipe, resolution: int) -> tuple[int, int, int]:
 
 @torch.no_grad()
 def generate_latents(pipe, velocity_fn: VelocityFn, emb: PromptEmbeddings, seeds: list[int], num_steps: int,
-                     guidance_scale: float, resolution: int, device: torch.device, sampler: str = "euler") -> torch.Tensor:
+                     guidance_scale: float, resolution: int, device: torch.device,
+                     sampler: str = "euler") -> torch.Tensor:
     """Integrate the flow ODE from noise (σ=1) to the clean latent (σ=0) with ``sampler`` (SAMPLERS)."""
     scheduler = make_scheduler(pipe, num_steps, device, sampler)
     latents = initial_noise(seeds, latent_shape(pipe, resolution), device)

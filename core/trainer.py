@@ -64,7 +64,7 @@ class TrainResult:
 
 
 # Independent random streams of a step beyond its rollout (which draws from default_rng([seed, step])).
-_ORDER, _TIMESTEPS, _NOISE = 0, 1, 2
+_ORDER, _TIMESTEPS, _NOISE, _DROPOUT = 0, 1, 2, 3
 
 
 def _generator(*keys: int) -> torch.Generator:
@@ -338,13 +338,16 @@ class Trainer:
             with dist.sync_context(self.policy.train_module, sync=kind == "amortized" and ui == U - 1):
                 l_pos, l_neg, kl = self._forward(batch, idx, t, noise, record=kind != "amortized")
                 kl_total += kl.mean().item() / U
+                r_unit, A_unit, dropped = self._reward_dropout(step, j, r_rewards[idx], A_train[idx])
                 if kind == "harmonized":
-                    unit_diag, loss = self._harmonized_unit(l_pos, l_neg, kl, r_rewards[idx], step, U, acc)
+                    unit_diag, loss = self._harmonized_unit(l_pos, l_neg, kl, r_unit, step, U, acc)
                     diag = unit_diag or diag
                 elif kind == "diagnostic":
-                    diag, loss = self._diagnostic_unit(l_pos, l_neg, kl, r_rewards[idx], A_train[idx], step, U)
+                    diag, loss = self._diagnostic_unit(l_pos, l_neg, kl, r_unit, A_unit, step, U)
                 else:
-                    loss = self._amortized_unit(l_pos, l_neg, kl, A_train[idx], step, U)
+                    loss = self._amortized_unit(l_pos, l_neg, kl, A_unit, step, U)
+                if kind != "amortized" and diag is not None:
+                    diag["dropped"] = dropped
                 loss_total += loss
 
         if whole_step:  # one solve on the whole step's mean gradients
@@ -381,6 +384,30 @@ class Trainer:
                         f"valid sample of {', '.join(self.reward_names[k] for k in missing)} (each of its samples is "
                         f"another reward's only one); they get α* = 0 on this solve")
         return order
+
+    def _reward_dropout(self, step: int, j: int, r: torch.Tensor, A: torch.Tensor):
+        """The release's reward dropout (balance.reward_dropout, off by default): on the units at training
+        timestep j of step s, each listed reward is dropped with its probability (ramped over
+        reward_dropout_warmup_steps), the same draw on every process and micro-batch, from (seed, s, j). A dropped
+        reward loses the samples some unlisted reward applies to (r, A → NaN there), keeping its signal only on
+        samples no unlisted reward covers. Returns (r [b, K], A [b, K], names dropped)."""
+        bal, names = self.config.balance, self.reward_names
+        if not bal.reward_dropout or self.balancer.scalarize:
+            return r, A, []
+        warm = bal.reward_dropout_warmup_steps
+        ramp = min(step / warm, 1.0) if warm > 0 else 1.0
+        u = torch.rand(len(names), generator=_generator(self.config.seed, step, _DROPOUT, j))
+        dropped = [k for k, n in enumerate(names) if u[k] < bal.reward_dropout.get(n, 0.0) * ramp]
+        if not dropped:
+            return r, A, []
+        others = [k for k, n in enumerate(names) if n not in bal.reward_dropout]
+        covered = (torch.isfinite(r[:, others]).any(dim=1) if others
+                   else torch.zeros(len(r), dtype=torch.bool, device=r.device))
+        r, A = r.clone(), A.clone()
+        for k in dropped:
+            r[covered, k] = math.nan
+            A[covered, k] = math.nan
+        return r, A, [names[k] for k in dropped]
 
     # ---- the three kinds of unit --------------------------------------------------------------------
     def _unit_kinds(self, step: int, U: int, full: bool) -> list[str]:

@@ -168,12 +168,27 @@ def test_replay_reconstructs_grams_and_reproduces_the_recorded_ema():
                                atol=1e-6)
     sparse = replay(rows, NAMES, ema_rho=0.7, refresh_every=20)
     assert sparse.solves == [1, 21]
+    # the release's knobs replay too: every replayed α respects the floor; a group splits its α equally
+    floored = replay(rows, NAMES, ema_rho=0.0, refresh_every=10, alpha_floor=0.2)
+    assert np.min(floored.replayed) >= 0.2 - 1e-9
+    grouped = replay(rows, NAMES, ema_rho=0.0, refresh_every=10, reward_groups={"ab": ["a", "b"]})
+    assert all(abs(a - b) < 1e-12 for a, b, _ in grouped.replayed)
+    assert not np.allclose(grouped.replayed, no_ema.replayed, atol=1e-3)
+
+
+def test_replay_page_takes_the_knobs_and_names_a_bad_one():
+    from app.pages.replay import render
+
+    fig, note = render(1, 0.7, 10, True, 0.0, "[1, 2]", "{}")
+    assert "reward groups='[1, 2]': must be a JSON object" in note
 
 
 def test_a_config_shown_in_the_form_builds_back_to_the_same_config():
     from app.forms import config_form_values
 
-    cfg = preset("tiny-sequential").with_overrides({"balance.ema_rho": 0.3, "steps": 9})
+    cfg = preset("tiny-sequential").with_overrides({"balance.ema_rho": 0.3, "steps": 9,
+                                                    "balance.reward_groups": {"g": ["colorfulness", "brightness"]},
+                                                    "balance.alpha_floor": 0.1})
     fields = form_fields(cfg)
     *values, rewards, weights, stages, single, sources = config_form_values(cfg, fields)
     again = build_config("tiny", {f.path: v for f, v in zip(fields, values)}, rewards, weights, stages, single,

@@ -534,3 +534,74 @@ def test_a_marble_decision_records_its_real_solve_time():
     G = gram(np.array([[1.0, 0.0], [-0.5, 1.0], [0.2, -1.0]]))
     d = marble().balance(G, 0)
     assert d.seconds > 0 and d.solver.startswith("cvxpy")
+
+
+# ---- the release's optional knobs: groups, weights, α floor (config/base.py pareto.*) ----------------
+
+def _scipy_floor_solve(G, floor):
+    """An independent oracle: SLSQP on min αᵀGα, α >= floor, Σα = 1 (as the release's mgda_solve)."""
+    from scipy.optimize import minimize
+
+    K = G.shape[0]
+    res = minimize(lambda a: a @ G @ a, np.full(K, 1 / K), jac=lambda a: 2 * G @ a, bounds=[(floor, None)] * K,
+                   constraints=[{"type": "eq", "fun": lambda a: a.sum() - 1}], method="SLSQP",
+                   options={"ftol": 1e-14, "maxiter": 1000})
+    return res.x
+
+
+def test_alpha_floor_keeps_every_alpha_above_it_at_the_constrained_optimum():
+    rng = np.random.default_rng(4)
+    J = random_jacobian(rng, 4, 6, log_scale=1.0)
+    J[1] = J[0] * 1.01 + 0.01 * rng.normal(size=6)  # near-duplicate: the plain solve puts ~0 on one of them
+    G = gram(J)
+    for floor in (0.05, 0.2):
+        d = marble(names=list("abcd"), alpha_floor=floor).balance(G, 0)
+        norms = np.sqrt(np.diag(G))
+        Ghat = G / np.outer(norms, norms)
+        oracle = _scipy_floor_solve(Ghat, floor)
+        assert d.alpha_raw.min() >= floor - 1e-9 and d.alpha_raw.sum() == pytest.approx(1.0)
+        assert d.alpha_raw @ Ghat @ d.alpha_raw <= oracle @ Ghat @ oracle + 1e-9
+        np.testing.assert_allclose(d.alpha_raw, oracle, atol=1e-4)
+    plain = marble(names=list("abcd")).balance(G, 0)
+    assert plain.alpha_raw.min() < 0.05  # the floor binds in this case
+    assert marble(names=list("abcd"), alpha_floor=0.5).balance(G, 0).alpha_raw == pytest.approx([0.25] * 4)
+
+
+def test_group_weights_scale_the_normalized_gradients_before_the_qp():
+    J = np.array([[1.0, 0.0], [0.0, 1.0], [-0.6, -0.8]])
+    G = gram(J)
+    d = marble(group_weights={"c": 3.0}).balance(G, 0)
+    U = J * np.array([[1.0], [1.0], [3.0]])  # unit gradients (norm 1 here) times their weights
+    oracle = projected_gradient_min_norm(gram(U))
+    np.testing.assert_allclose(d.alpha_raw, oracle, atol=1e-6)
+    # the update is Σ α_k u_k ĝ_k · mean‖g‖ on the raw gradients
+    np.testing.assert_allclose(d.grad_weights @ J, oracle @ U * 1.0, atol=1e-6)
+    assert not np.allclose(d.alpha_raw, marble().balance(G, 0).alpha_raw, atol=1e-3)
+
+
+def test_reward_groups_balance_the_mean_gradient_of_each_group_and_split_its_alpha():
+    rng = np.random.default_rng(9)
+    J = random_jacobian(rng, 3, 5, log_scale=0.5)
+    G = gram(J)
+    d = marble(reward_groups={"ab": ["a", "b"]}).balance(G, 0)
+    J_M = np.stack([J[:2].mean(axis=0), J[2]])  # the group's gradient is its members' mean
+    norms = np.linalg.norm(J_M, axis=1)
+    oracle = projected_gradient_min_norm(gram(J_M / norms[:, None]))
+    np.testing.assert_allclose(d.alpha_raw, [oracle[0] / 2, oracle[0] / 2, oracle[1]], atol=1e-6)
+    expected_update = (oracle[:, None] * J_M / norms[:, None]).sum(axis=0) * norms.mean()
+    np.testing.assert_allclose(d.grad_weights @ J, expected_update, atol=1e-6)
+    assert d.alpha_raw.sum() == pytest.approx(1.0)
+
+
+def test_the_knobs_are_validated_by_name():
+    from core.config import ConfigError, preset
+
+    tiny = preset("tiny")
+    cases = [({"balance.reward_groups": {"g": ["nope"]}}, r"balance.reward_groups.g=\['nope'\]: must list the run's"),
+             ({"balance.reward_groups": {"g": ["colorfulness"], "h": ["colorfulness"]}}, "one group, once"),
+             ({"balance.group_weights": {"zzz": 2}}, r"balance.group_weights=\{'zzz': 2\}: must map groups or lone"),
+             ({"balance.alpha_floor": 2}, r"balance.alpha_floor=2.0: must be a number in \[0, 1\]"),
+             ({"balance.reward_dropout": {"colorfulness": 1.5}}, "must map rewards .* to probabilities in")]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            tiny.with_overrides(overrides)

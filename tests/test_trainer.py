@@ -332,3 +332,24 @@ def test_the_harmonized_micro_batch_holds_every_reward_that_has_a_valid_sample()
     none[0, 0], none[3, 1], none[2, 2] = True, True, True
     order, missing = harmonized_order(none, 1)  # one slot for three rewards
     assert order[0].item() == 0 and missing == [1, 2]
+
+
+def test_reward_dropout_masks_a_dropped_reward_on_the_samples_other_rewards_cover(tmp_path):
+    cfg = small_config("marble", steps=1, **{"balance.reward_dropout": {"colorfulness": 1.0}})
+    trainer = Trainer(cfg, tmp_path)
+    r = torch.rand(6, 3)
+    r[:3, 0] = r[:3, 2] = math.nan  # the unlisted rewards (jpeg, brightness) apply to samples 3..5 only
+    A = torch.randn(6, 3)
+    r2, A2, dropped = trainer._reward_dropout(0, 0, r, A)
+    assert dropped == ["colorfulness"]
+    k = trainer.reward_names.index("colorfulness")
+    assert torch.isnan(r2[3:, k]).all() and torch.equal(r2[:3, k], r[:3, k])  # kept where no other reward applies
+    assert torch.isnan(A2[3:, k]).all() and torch.equal(A2[:3, k], A[:3, k])
+    assert torch.equal(r2[3:, 2], r[3:, 2]) and torch.isnan(r2[:3, 2]).all()  # brightness: not listed, untouched
+    # probability 0, or a step inside a warm-up ramp that starts at 0, drops nothing
+    none = Trainer(cfg.with_overrides({"balance.reward_dropout_warmup_steps": 10}), tmp_path)
+    assert none._reward_dropout(0, 0, r, A)[2] == []
+    events, on_event = _collect()
+    train(cfg, tmp_path / "run", on_event)  # and it trains, recording what was dropped on the solve
+    (b,) = [e for e in events if e.kind == "balance"]
+    assert b.dropped == ["colorfulness"]

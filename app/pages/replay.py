@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import gradio as gr
 
 from app import context, plots
@@ -12,12 +14,28 @@ from jobs.storage import RunNotFound
 EMPTY = "Pick a run: its stored Gram matrices are re-solved here with the ρ, N and normalization above."
 
 
-def render(run_id, rho: float, refresh_every: float | None, normalize: bool):
+def _json_object(label: str, text: str | None) -> dict:
+    try:
+        value = json.loads(text or "{}")
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"{label}={text!r}: must be a JSON object, e.g. {{}} or {{\"general\": [\"a\", \"b\"]}}")
+    return value
+
+
+def render(run_id, rho: float, refresh_every: float | None, normalize: bool, alpha_floor: float | None = 0.0,
+           groups: str | None = "{}", weights: str | None = "{}"):
     if run_id is None:
         return plots.empty_figure("Replay", EMPTY), ""
     if refresh_every is None or refresh_every != int(refresh_every):
         msg = f"N={refresh_every}: write a whole number of steps ≥ 1"
         return plots.empty_figure("Replay", msg), f"`{msg}`"
+    try:
+        knobs = (float(alpha_floor or 0.0), _json_object("reward groups", groups),
+                 _json_object("group weights", weights))
+    except ValueError as e:
+        return plots.empty_figure("Replay", str(e)), f"`{e}`"
     try:
         run = context.store().get_run(int(run_id))
     except RunNotFound as e:  # deleted since the picker was filled
@@ -25,10 +43,12 @@ def render(run_id, rho: float, refresh_every: float | None, normalize: bool):
     names = [r["name"] for r in run.config["rewards"]]
     rows = context.store().balance(int(run_id))
     try:
-        res = replay(rows, names, float(rho), int(refresh_every), bool(normalize))
+        res = replay(rows, names, float(rho), int(refresh_every), bool(normalize), *knobs)
     except ValueError as e:
         return plots.empty_figure("Replay", str(e)), f"`{e}`"
     label = f"ρ={rho:g}, N={int(refresh_every)}, {'normalized' if normalize else 'raw'}"
+    label += f", floor {alpha_floor:g}" if alpha_floor else ""
+    label += ", grouped" if knobs[1] else ""
     fig = plots.replay_figure(res.steps, res.recorded, res.replayed, names, label)
     note = (f"{len(res.steps)} stored Gram matrices; the replay solved at {len(res.solves)} of them. "
             "Replay solves only where the run stored a Gram matrix (full and diagnostic steps).")
@@ -47,9 +67,14 @@ def build() -> dict:
         rho = gr.Slider(0, 0.95, value=0.7, step=0.05, label="ρ (EMA)", elem_id="replay-rho")
         every = gr.Number(value=10, precision=0, label="N (solve every N steps)", elem_id="replay-n")
         normalize = gr.Checkbox(value=True, label="Normalize gradients", elem_id="replay-normalize")
+    with gr.Row():  # the release's optional knobs (config/base.py pareto.*), off by default
+        floor = gr.Number(value=0.0, label="α floor", elem_id="replay-floor")
+        groups = gr.Textbox(value="{}", label="Reward groups (JSON: group → rewards)", elem_id="replay-groups")
+        weights = gr.Textbox(value="{}", label="Group weights (JSON: group or reward → weight)",
+                             elem_id="replay-weights")
     fig = gr.Plot(plots.empty_figure("Replay", EMPTY), elem_id="plot-replay")
     note = gr.Markdown(elem_id="replay-note")
     reload_btn.click(lambda: gr.update(choices=context.run_choices()), None, run)
-    for comp in (run, rho, every, normalize):
-        comp.change(render, [run, rho, every, normalize], [fig, note])
+    for comp in (run, rho, every, normalize, floor, groups, weights):
+        comp.change(render, [run, rho, every, normalize, floor, groups, weights], [fig, note])
     return {"run": run}
