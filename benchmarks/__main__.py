@@ -10,7 +10,9 @@ carry over between machines even though the seconds do not:
   prompts with their specs, quoted text for OCR);
 - storage: the job writer's overhead per training step as a fraction of step time (benchmarks/storage.py);
 - exact: the whole step harmonized on every step over weighted sum on mini-marble, per-sample against
-  per-reward gradients, and K = 8 against K = 4 (benchmarks/exact.py; --exact-steps, default 4).
+  per-reward gradients, and K = 8 against K = 4 (benchmarks/exact.py; --exact-steps, default 4);
+- checkpoint: size and seconds to write, verify and load a checkpoint on the tiny and mini presets
+  (benchmarks/checkpoint.py; figures in docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import time
 
+from benchmarks.checkpoint import bench_checkpoint
 from benchmarks.dashboard import bench_dashboard_refresh, bench_dashboard_soak
 from benchmarks.exact import bench_exact_harmonization
 from benchmarks.storage import bench_storage
@@ -172,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--only", nargs="*", choices=["step_time", "qp", "memory", "rewards", "storage",
-                                                      "dashboard", "soak", "exact"])
+                                                      "dashboard", "soak", "exact", "checkpoint"])
     parser.add_argument("--exact-steps", type=int, default=4, help="mini-marble steps per variant (exact)")
     parser.add_argument("--soak-seconds", type=float, default=120.0)
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
@@ -181,11 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_child:
         _memory_child(args.memory_child, args.steps)
         return 0
-    chosen = args.only or ["qp", "rewards", "step_time", "memory", "storage", "exact", "dashboard", "soak"]
+    chosen = args.only or ["qp", "rewards", "step_time", "memory", "storage", "exact", "checkpoint", "dashboard",
+                           "soak"]
     runs = {"qp": bench_qp, "rewards": bench_rewards, "step_time": lambda: bench_step_time(args.steps),
             "memory": lambda: bench_memory(min(args.steps, 12)),
             "storage": lambda: bench_storage(args.steps),
-            "exact": lambda: bench_exact_harmonization(args.exact_steps),
+            "exact": lambda: bench_exact_harmonization(args.exact_steps), "checkpoint": bench_checkpoint,
             "dashboard": bench_dashboard_refresh, "soak": lambda: bench_dashboard_soak(args.soak_seconds)}
     for name in chosen:
         print(json.dumps(runs[name]()), flush=True)

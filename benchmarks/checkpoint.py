@@ -46,10 +46,3 @@ def bench_checkpoint(presets: tuple[str, ...] = PRESETS, repeats: int = 3) -> di
             "verify_and_load_s": round(statistics.median(load), 4)}
     return out
 
-
-if __name__ == "__main__":  # python -m benchmarks.checkpoint
-    import json
-    import os
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    print(json.dumps(bench_checkpoint()))
