@@ -36,7 +36,8 @@ def build_app() -> gr.Blocks:
         for started in new["started"]:
             started.then(lambda error, current: dashboard.follow_new_runs(not error, current),
                          [new["error"], dash["run"]], dash["run"])
-        demo.load(lambda: gr.update(choices=compare.entry_choices()), None, comp["entries"])
+        demo.load(lambda: (gr.update(choices=compare.entry_choices()), gr.update(choices=compare.saved_choices())),
+                  None, [comp["entries"], comp["saved"]])  # saved comparisons are there on every (re)load
         from app import context
 
         demo.load(lambda: gr.update(choices=context.run_choices()), None, stud["runs"])

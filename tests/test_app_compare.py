@@ -27,8 +27,11 @@ def test_each_comparison_fills_its_own_slider_even_with_the_same_row_labels(stor
     md, items, labels, rows, pair = grid(first, 0, 1)
     assert labels == ["0: a red circle (seed 0)", "1: a blue square (seed 0)"] and rows["value"] == labels[0]
     assert pair == ("/grids/first/p0_c0.png", "/grids/first/p0_c1.png")
-    assert len(items["value"]) == 4 and "2 prompt×seed rows × 2 columns" in md and "base, step 2" in md
-    assert "colorfulne 0.1" in items["value"][1][1] and "brightness" not in items["value"][1][1]  # NaN left out
+    assert items.count("<img ") == 4 and "2 prompt×seed rows × 2 columns" in md and "base, step 2" in md
+    # issue 18 item 3: column headers, full reward names with their scores beside the images, NaN left out
+    assert "<thead><tr><th>prompt · seed</th><th>base</th><th>step 2</th></tr></thead>" in items
+    assert "<td>colorfulness</td><td>0.100</td>" in items and "brightness" not in items
+    assert "src='gradio_api/file=/grids/first/p0_c1.png'" in items and "max-width:128px" in items
     *_, labels2, rows2, pair2 = grid(second, 0, 1)
     assert labels2 == labels and rows2["value"] == rows["value"]  # the row dropdown's value does not change ...
     assert pair2 == ("/grids/second/p0_c0.png", "/grids/second/p0_c1.png")  # ... the slider does
@@ -41,9 +44,9 @@ def test_unfinished_failed_and_missing_comparisons_clear_the_grid(store):
     running = store.add_comparison("running", [], result={"status": "running"})
     failed = store.add_comparison("failed", [], result={"status": "failed", "error": "OSError: no such model"})
     md, items, labels, rows, pair = grid(running)
-    assert "is **running**" in md and items == [] and labels == [] and pair is None and rows["value"] is None
+    assert "is **running**" in md and items == "" and labels == [] and pair is None and rows["value"] is None
     md, _, labels, _, pair = grid(failed)
-    assert md == "**Failed:** `OSError: no such model`" and labels == [] and pair is None
+    assert md == "**Failed:** `` OSError: no such model ``" and labels == [] and pair is None
     assert "Pick two or more checkpoints" in grid(None)[0]  # what to do, not a blank page
 
 
@@ -68,3 +71,19 @@ def test_the_tick_sends_the_grid_once_per_state(store):
     out = poll(failing, [], 0, 1)
     assert out[0].startswith("**Failed") and out[5] != skip
     assert poll(failing, out[2], 0, 1)[5] == skip  # reported once, not on every tick
+
+
+def test_a_comparison_without_a_name_is_named_after_its_columns(store, monkeypatch):
+    """Issue 18 item 3: not "Comparison #1 comparison"."""
+    import json
+
+    import jobs.compare
+    from app.pages.compare import saved_choices, start
+
+    monkeypatch.setattr(jobs.compare.subprocess, "Popen", lambda *a, **k: None)  # no generation here
+    entries = [json.dumps({"label": label, "model": "tiny", "lora": None, "run_id": None, "rewards": []})
+               for label in ("base tiny", "#3 marble · step 2")]
+    md, saved = start("", entries, "a red circle", "0", 4, 1.0)
+    cid = saved["value"]
+    assert md.startswith(f"Comparison **#{cid}**")
+    assert saved_choices()[0] == (f"#{cid} base tiny vs #3 marble · step 2 · queued", cid)

@@ -51,8 +51,10 @@ def start(name: str, picked: list[str], prompts_text: str, seeds_text: str, step
         return f"**Not started.** `seeds={seeds_text!r}: write integers separated by commas, e.g. 0, 1`", gr.skip()
     prompts = [p.strip() for p in (prompts_text or "").splitlines() if p.strip()]
     entries = [json.loads(p) for p in picked or []]
+    default = " vs ".join(e.get("label", "?") for e in entries)
+    default = default if len(default) <= 200 else default[:197] + "..."
     try:
-        cid = start_comparison(context.store(), (name or "").strip() or "comparison", entries, prompts, seeds,
+        cid = start_comparison(context.store(), (name or "").strip() or default, entries, prompts, seeds,
                                int(steps), float(guidance))
     except ValueError as e:
         return f"**Not started.** `{e}`", gr.skip()
@@ -65,29 +67,49 @@ def grid(comparison_id: Any, a: int = 0, b: int = 1) -> tuple[str, Any, list[str
     with the same first prompt and seed have the same row label, so the dropdown's value would not change
     and the slider would keep the previous comparison's images."""
     if comparison_id is None:
-        return EMPTY, [], [], gr.update(choices=[], value=None), None
+        return EMPTY, "", [], gr.update(choices=[], value=None), None
     row = context.store().get_comparison(int(comparison_id))
     result = row.get("result") or {}
     status = result.get("status", "queued")
     if status == "failed":
-        return f"**Failed:** `{result.get('error')}`", [], [], gr.update(choices=[], value=None), None
+        return f"**Failed:** `` {result.get('error')} ``", "", [], gr.update(choices=[], value=None), None
     if status != "done":
-        return (f"Comparison #{row['id']} is **{status}** — the grid appears when it is done.", [], [],
+        return (f"Comparison #{row['id']} is **{status}** — the grid appears when it is done.", "", [],
                 gr.update(choices=[], value=None), None)
-    items, labels = [], []
-    for i, r in enumerate(result["rows"]):
-        labels.append(f"{i}: {r['prompt']} (seed {r['seed']})")
-        for c in r["cells"]:
-            scores = " · ".join(f"{k[:10]} {v:.3g}" for k, v in c["scores"].items()
-                                if isinstance(v, (int, float)) and math.isfinite(v))
-            items.append((c["path"], f"{c['label']} | {r['prompt']} s{r['seed']}\n{scores}"))
+    labels = [f"{i}: {r['prompt']} (seed {r['seed']})" for i, r in enumerate(result["rows"])]
     n = len(result["rows"][0]["cells"]) if result["rows"] else 1
     md = (f"Comparison #{row['id']} **{row['name']}**: {len(result['rows'])} prompt×seed rows × {n} columns "
           f"({result.get('seconds', 0):.1f} s). Columns: "
           + ", ".join(c["label"] for c in result["rows"][0]["cells"]))
     first = labels[0] if labels else None
-    return (md, gr.update(value=items, columns=max(1, min(n, 8))), labels,
-            gr.update(choices=labels, value=first), slider_pair(comparison_id, first, a, b))
+    return (md, grid_html(result["rows"]), labels, gr.update(choices=labels, value=first),
+            slider_pair(comparison_id, first, a, b))
+
+
+IMAGE_PX = 128  # images are drawn at most this wide (2x a 64 px image, pixels kept sharp), never stretched
+
+
+def grid_html(rows: list[dict]) -> str:
+    """The grid as a table: a header row naming each column's checkpoint, one row per prompt and seed, each
+    image at its own size (up to IMAGE_PX) with every reward's full name and score written under it."""
+    from html import escape
+    from urllib.parse import quote
+
+    if not rows:
+        return "<p>No rows.</p>"
+    head = "".join(f"<th>{escape(c['label'])}</th>" for c in rows[0]["cells"])
+    body = []
+    for r in rows:
+        cells = []
+        for c in r["cells"]:
+            scores = "".join(f"<tr><td>{escape(k)}</td><td>{v:.3f}</td></tr>" for k, v in c["scores"].items()
+                             if isinstance(v, (int, float)) and math.isfinite(v))
+            cells.append(f"<td><img src='gradio_api/file={quote(c['path'])}' alt='{escape(c['label'])}' "
+                         f"style='max-width:{IMAGE_PX}px'><table class='cmp-scores'>{scores}</table></td>")
+        body.append(f"<tr><th class='cmp-row'>{escape(r['prompt'])}<br><small>seed {r['seed']}</small></th>"
+                    + "".join(cells) + "</tr>")
+    return (f"<table class='cmp-grid'><thead><tr><th>prompt · seed</th>{head}</tr></thead>"
+            f"<tbody>{''.join(body)}</tbody></table>")
 
 
 def slider_pair(comparison_id: Any, row_label: str | None, a: int, b: int) -> Any:
@@ -126,15 +148,16 @@ def build(timer: gr.Timer) -> dict:
             prompts = gr.Textbox(label="Prompts (one per line)", lines=4, value="a red circle\na blue square",
                                  elem_id="compare-prompts")
         with gr.Column(scale=1):
-            name = gr.Textbox(label="Name", value="comparison", elem_id="compare-name")
+            name = gr.Textbox(label="Name (optional)", value="", placeholder="default: the columns, e.g. "
+                              "#3 marble · step 100 vs base mini-world", elem_id="compare-name")
             seeds = gr.Textbox(label="Seeds", value="0, 1", elem_id="compare-seeds")
             steps = gr.Number(label="Denoising steps", value=10, precision=0)
             guidance = gr.Number(label="Guidance scale", value=1.0)
             go_btn = gr.Button("Generate side by side", variant="primary", elem_id="compare-start")
     status = gr.Markdown(EMPTY, elem_id="compare-status")
     saved = gr.Dropdown(choices=[], label="Saved comparisons", elem_id="compare-saved")
-    gallery = gr.Gallery(label="Grid (one row per prompt and seed, one column per checkpoint)", columns=4,
-                         height=520, elem_id="compare-gallery")
+    gallery = gr.HTML(label="Grid (one row per prompt and seed, one column per checkpoint)",
+                      elem_id="compare-gallery")
     with gr.Row():
         row_pick = gr.Dropdown(choices=[], label="A/B row", elem_id="compare-row")
         a_idx = gr.Number(label="A column", value=0, precision=0)
@@ -153,4 +176,4 @@ def build(timer: gr.Timer) -> dict:
     row_pick.input(slider_pair, [saved, row_pick, a_idx, b_idx], slider)
     for comp in (a_idx, b_idx):
         comp.change(slider_pair, [saved, row_pick, a_idx, b_idx], slider)
-    return {"entries": picked, "refresh": refresh}
+    return {"entries": picked, "refresh": refresh, "saved": saved}
