@@ -8,6 +8,7 @@
     python -m jobs logs RUN [--lines N]
     python -m jobs export RUN --format csv|parquet [--out FILE]
     python -m jobs export RUN --format hub --out DIR [--checkpoint STEP] [--push REPO_ID] [--license ID]
+    python -m jobs evaluate RUN [--checkpoint STEP] [--prompts test] [--prompts-per-source N] [--seeds N]
     python -m jobs worker [--once] [--slots N] | worker --stop
 
 Everything lives under the data directory: --home, else $MARBLE_HOME, else ./runs (the database
@@ -117,6 +118,19 @@ def cmd_resume(store: Store, args) -> int:
 def cmd_logs(store: Store, args) -> int:
     store.get_run(args.run)
     print(store.log_tail(args.run, args.lines))
+    return 0
+
+
+def cmd_evaluate(store: Store, args) -> int:
+    """Held-out evaluation of a run's checkpoint (core.evaluate), recorded in the store for the app's Study."""
+    from core.evaluate import EvalSettings, run_table
+    from jobs.evaluations import evaluate
+
+    settings = EvalSettings(args.prompts, args.prompts_per_source, args.seeds, weights=args.weights)
+    settings.validate()
+    eval_id, result = evaluate(store, args.run, settings, checkpoint_step=args.checkpoint)
+    print(run_table(result))
+    print(f"recorded as evaluation {eval_id} of run {args.run}")
     return 0
 
 
@@ -277,6 +291,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", type=int)
     p.add_argument("--lines", type=int, default=50)
     p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("evaluate", help="score a run's checkpoint and its base model on held-out prompts; stored "
+                                        "for the app's Study (core.evaluate)")
+    p.add_argument("run", type=int)
+    p.add_argument("--checkpoint", type=int, metavar="STEP", help="the checkpoint's step (default: the newest)")
+    p.add_argument("--prompts", choices=("train", "test"), default="test", help="the prompt split (default test)")
+    p.add_argument("--prompts-per-source", type=int, default=16, help="prompts per source (default 16)")
+    p.add_argument("--seeds", type=int, default=4, help="seeds per prompt (default 4)")
+    p.add_argument("--weights", choices=("ema", "raw"), default="ema",
+                   help="the checkpoint's parameter EMA (default) or its raw LoRA")
+    p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("export", help="per-step metrics as one wide table, or a Hub-ready LoRA folder (hub)")
     p.add_argument("run", type=int)

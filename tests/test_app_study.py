@@ -136,3 +136,30 @@ def test_unfinished_runs_are_marked_and_runs_are_compared_at_the_same_step(store
     assert summary.loc[0, "runs"] == 2  # the two finished runs only
     *_, note = render([long_, short, partial, queued], None, None)
     assert "compared at step **10**" in note and "#%d partial" % partial in note and "#%d waiting" % queued in note
+
+
+def test_a_recorded_held_out_evaluation_shows_as_base_std_units_with_standard_errors(store):
+    """jobs.evaluations.record stores core.evaluate's result; the Study shows Δ / base std ± its standard error."""
+    import math
+
+    from app.pages.study import study_table
+    from core.evaluate import compare
+    from jobs.evaluations import latest, record
+
+    st, _ = store
+    run_id = _trained(st, "evaluated", "succeeded", 4, 4)
+    base = {"a": [0.0, 1.0, 2.0, 3.0], "b": [float("nan")] * 4}
+    run = {"a": [1.0, 2.0, 3.0, 5.0], "b": [float("nan")] * 4}
+    result = {**compare(base, run, train_rewards=["a"]), "settings": {"split": "test"}, "weights": "ema",
+              "checkpoint": "/x/step_000004", "images": 4}
+    eval_id = record(st, run_id, result, checkpoint_step=4)
+    ev = latest(st, run_id)
+    assert ev["id"] == eval_id and ev["name"] == "held-out test" and ev["scores"] == {"a": 2.75, "b": None}
+    a = ev["details"]["rewards"]["a"]
+    sb, sr = math.sqrt(5 / 3), math.sqrt(((1 - 2.75) ** 2 + (2 - 2.75) ** 2 + (3 - 2.75) ** 2 + (5 - 2.75) ** 2) / 3)
+    assert a["z"] == pytest.approx(1.25 / sb) and a["z_se"] == pytest.approx(math.sqrt(sr ** 2 / 4 + sb ** 2 / 4) / sb)
+    df, _ = study_table([run_id])
+    row = df.iloc[0]
+    assert row["held-out Δa (base σ)"] == f"{1.25 / sb:+.2f} ± {a['z_se']:.2f}"
+    assert row["held-out at step"] == "4" and row["held-out composite (base σ)"] == f"{1.25 / sb:+.2f}"
+    assert "held-out Δb (base σ)" not in row  # applied to no held-out prompt: no column, not a zero

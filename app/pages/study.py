@@ -66,9 +66,7 @@ def study_table(run_ids: list[int]) -> tuple[pd.DataFrame, list[dict]]:
                 row[f"Δ{n} (σ)"] = delta
                 composite = (composite or 0.0) + delta
         row["composite (σ)"] = composite
-        for ev in store.evaluations(rid):
-            for n, v in (ev.get("scores") or {}).items():
-                row[f"eval:{ev['name']}:{n}"] = v
+        row.update(held_out_columns(store, rid))
         rows.append(row)
         points.append({"label": row["run"], "scores": scores, "balance": store.balance(rid, max_points=500)})
     df = pd.DataFrame(rows)
@@ -76,6 +74,26 @@ def study_table(run_ids: list[int]) -> tuple[pd.DataFrame, list[dict]]:
     df.attrs["lengths"] = sorted(set(finished or [r.step for r in runs if r.step > 0]))
     df.attrs["unfinished"] = [row["run"] for row in rows if row["state"] != "finished"]
     return df, points
+
+
+def held_out_columns(store: Any, run_id: int) -> dict[str, str]:
+    """The run's newest held-out evaluation (jobs.evaluations): per reward the change over the base model in
+    units of the base model's std, ± its standard error; then the composite over the training rewards."""
+    from jobs.evaluations import latest
+
+    ev = latest(store, run_id)
+    if ev is None:
+        return {}
+    d = ev["details"]
+    out = {"held-out at step": str(ev["checkpoint_step"]) if ev["checkpoint_step"] is not None else ""}
+    for n, r in d["rewards"].items():
+        if r["z"] is None:
+            continue
+        se = f" ± {r['z_se']:.2f}" if r.get("z_se") is not None else ""
+        out[f"held-out Δ{n} (base σ)"] = f"{r['z']:+.2f}{se}"
+    if d.get("composite_train") is not None:
+        out["held-out composite (base σ)"] = f"{d['composite_train']:+.2f}"
+    return out
 
 
 def _cut(series: tuple[list[int], list[float | None]], step: int) -> tuple[list[int], list[float | None]]:
