@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,6 +65,9 @@ def test_exported_folder_loads_with_plain_diffusers_and_the_card_parses_back(tra
     raw, meta = _read(f"{ckpt['path']}/pytorch_lora_weights.safetensors")
     ema_tensors = {k: v * 0.5 + 0.01 for k, v in raw.items()}
     ema_dir = f"{ckpt['path']}/ema"
+    backup = tmp_path / "ema_backup"  # the run's own EMA (optim.ema_decay), restored for the other tests
+    if os.path.isdir(ema_dir):
+        shutil.copytree(ema_dir, backup)
     os.makedirs(ema_dir, exist_ok=True)
     save_file(ema_tensors, f"{ema_dir}/pytorch_lora_weights.safetensors", metadata=meta)
 
@@ -104,6 +108,8 @@ def test_exported_folder_loads_with_plain_diffusers_and_the_card_parses_back(tra
     done = export_hub(store, run_id, out2, checkpoint_step=2, license_id="apache-2.0")
     assert not done.has_ema and not (out2 / "ema").exists()
     assert ModelCard.load(out2 / "README.md").data.license == "apache-2.0"
+    if backup.is_dir():
+        shutil.copytree(backup, ema_dir)
 
 
 def test_push_offline_or_without_token_is_one_sentence_and_exit_code_2(trained, tmp_path, monkeypatch):
@@ -121,6 +127,46 @@ def test_push_offline_or_without_token_is_one_sentence_and_exit_code_2(trained, 
     code, _, err = run_cli(store.home, "export", str(run_id), "--format", "hub", "--out", str(tmp_path / "b"),
                            "--push", "me/my-lora")
     assert code == 2 and "no Hugging Face token is configured" in err and "Traceback" not in err
+
+
+def test_push_with_a_token_uploads_the_exported_folder_and_a_refusal_is_one_sentence(trained, tmp_path, monkeypatch):
+    """The push itself, with the Hub replaced by a recorder (no network here): a private repo is created and
+    the exported folder uploaded as it is; a Hub error becomes one sentence, exit code 2."""
+    import huggingface_hub
+
+    store, run_id = trained
+    calls = []
+
+    class FakeApi:
+        def __init__(self, token=None):
+            calls.append(("token", token))
+
+        def create_repo(self, repo_id, **kw):
+            calls.append(("create", repo_id, kw.get("private"), kw.get("exist_ok")))
+
+        def upload_folder(self, repo_id, folder_path, **kw):
+            calls.append(("upload", repo_id, sorted(p.name for p in Path(folder_path).iterdir())))
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False, raising=False)
+    monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False, raising=False)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_secret")
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    code, stdout, err = run_cli(store.home, "export", str(run_id), "--format", "hub", "--out", str(tmp_path / "c"),
+                                "--push", "me/my-lora")
+    assert code == 0, err
+    assert calls[0] == ("token", "hf_secret") and calls[1] == ("create", "me/my-lora", True, True)
+    assert calls[2][:2] == ("upload", "me/my-lora") and "pytorch_lora_weights.safetensors" in calls[2][2]
+    assert "README.md" in calls[2][2] and "https://huggingface.co/me/my-lora" in stdout
+
+    def refuse(self, repo_id, **kw):
+        raise RuntimeError("403 Forbidden: you cannot write to me/my-lora\nmore detail")
+
+    monkeypatch.setattr(FakeApi, "create_repo", refuse)
+    code, _, err = run_cli(store.home, "export", str(run_id), "--format", "hub", "--out", str(tmp_path / "d"),
+                           "--push", "me/my-lora")
+    assert code == 2 and "Traceback" not in err and err.strip().count("\n") == 0
+    assert "not pushed to me/my-lora: the Hub refused or could not be reached (403 Forbidden" in err
 
 
 def test_bad_export_input_names_the_field(trained, tmp_path):
@@ -166,7 +212,9 @@ def test_runs_page_export_button_writes_the_folder_and_says_why_it_did_not_push(
     first = export_for_hub(run_id)
     second = export_for_hub(run_id, "me/my-lora")
     folder = store.run_dir(run_id) / "exports" / "hub-step_2"
-    assert f"checkpoint 2 exported to `{folder}`" in first and "Pushed" not in first
+    # the run's checkpoints hold the parameter EMA (optim.ema_decay), so the export carries it too
+    assert f"checkpoint 2 exported with its EMA to `{folder}`" in first and "Pushed" not in first
+    assert (folder / "ema" / "pytorch_lora_weights.safetensors").is_file()
     assert f"`{folder}-2`" in second and "Not pushed to me/my-lora: HF_HUB_OFFLINE is set" in second
     assert ModelCard.load(folder / "README.md").data.library_name == "diffusers"
     assert export_for_hub(run_id + 99).startswith(f"Run #{run_id + 99}: ")
