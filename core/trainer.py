@@ -651,14 +651,20 @@ class Trainer:
             self.optimizer.load_state_dict(ckpt_io.join_optimizer_state(tensors, meta["optimizer"]))
             self.balancer.load_state_dict(meta["balancer"])
             if self.ema is not None:
-                self._load_parameter_ema(ckpt_io.strip_prefix("ema/", tensors))
+                self._load_parameter_ema(ckpt_io.strip_prefix("ema/", tensors), path)
             self.step = int(meta["step"])
         except (KeyError, TypeError) as e:
             raise ckpt_io.CheckpointError(f"{str(path / ckpt_io.STATE_JSON_FILE)!r} lacks what a resume needs "
                                           f"({type(e).__name__}: {e})") from None
 
     @torch.no_grad()
-    def _load_parameter_ema(self, ema: dict[str, torch.Tensor]) -> None:
+    def _load_parameter_ema(self, ema: dict[str, torch.Tensor], path: Path) -> None:
+        if not ema:  # a checkpoint written before the parameter EMA existed: it starts from the resumed weights
+            for n, p in self.policy.named_trainable.items():
+                self.ema[n].copy_(p.detach())
+            self.notice(f"resume: {path.name} holds no parameter EMA (an older checkpoint); it starts from the "
+                        f"resumed weights")
+            return
         if set(ema) != set(self.ema):
             raise ckpt_io.CheckpointError(f"the checkpoint's parameter EMA does not match this model's LoRA layout "
                                           f"({len(ema)} tensors for {len(self.ema)} parameters)")
@@ -731,6 +737,10 @@ class Trainer:
 
 
 def _check_resumable(saved: dict, current: dict) -> None:
+    try:  # a checkpoint of an older version lacks newer fields: they mean their defaults
+        saved = TrainConfig.from_dict(saved).to_dict()
+    except ValueError:
+        pass  # compared as stored: the difference is named below
     saved = {k: v for k, v in saved.items() if k not in RESUMABLE_CHANGES}
     current = {k: v for k, v in current.items() if k not in RESUMABLE_CHANGES}
     diffs = [k for k in current if saved.get(k) != current.get(k)]

@@ -353,3 +353,25 @@ def test_reward_dropout_masks_a_dropped_reward_on_the_samples_other_rewards_cove
     train(cfg, tmp_path / "run", on_event)  # and it trains, recording what was dropped on the solve
     (b,) = [e for e in events if e.kind == "balance"]
     assert b.dropped == ["colorfulness"]
+
+
+def test_a_checkpoint_from_before_the_new_fields_and_the_parameter_ema_resumes(tmp_path):
+    from core import checkpoint as ckpt_io
+
+    cfg = small_config("equal", steps=1)
+    train(cfg, tmp_path)
+    ckpt = tmp_path / "checkpoints" / "step_000001"
+    tensors, meta = ckpt_io.load_state(ckpt)  # rewrite it as an older version wrote it
+    del meta["config"]["optim"]["ema_decay"], meta["config"]["sampling"]["sampler"]
+    tensors = {k: v for k, v in tensors.items() if not k.startswith("ema/")}
+    import shutil
+    shutil.rmtree(ckpt / "ema")
+    (ckpt / ckpt_io.MANIFEST_FILE).unlink()
+    ckpt_io.save_state(ckpt, tensors, meta)
+    ckpt_io.write_manifest(ckpt)
+    events, on_event = _collect()
+    resumed = Trainer(cfg.with_overrides({"steps": 2}), tmp_path, on_event)
+    resumed.load_checkpoint(ckpt)
+    assert resumed.step == 1
+    assert all(torch.equal(resumed.ema[n], p) for n, p in resumed.policy.named_trainable.items())
+    assert any(e.kind == "notice" and "holds no parameter EMA" in e.message for e in events)
