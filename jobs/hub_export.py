@@ -300,6 +300,12 @@ def export_hub(store: Store, run_id: int, out: str | Path, checkpoint_step: int 
     run = store.get_run(run_id)
     ckpt = pick_checkpoint(store, run_id, checkpoint_step)
     ckpt_dir = Path(ckpt["path"])
+    from core.checkpoint import CheckpointError, verify
+
+    try:  # a damaged or partial checkpoint is never published: every file against its manifest
+        verify(ckpt_dir)
+    except CheckpointError as e:
+        raise ExportError(f"not exported: {e}") from None
     lora = ckpt_dir / LORA_FILE
     if not lora.is_file():
         raise ExportError(f"checkpoint {str(ckpt_dir)!r} has no {LORA_FILE}")

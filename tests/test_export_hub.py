@@ -15,6 +15,7 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from core.checkpoint import write_manifest
 from core.models import build_tiny_pipeline
 from jobs.hub_export import ExportError, base_model_id, check_safetensors, export_hub
 from jobs.runner import submit
@@ -70,6 +71,7 @@ def test_exported_folder_loads_with_plain_diffusers_and_the_card_parses_back(tra
         shutil.copytree(ema_dir, backup)
     os.makedirs(ema_dir, exist_ok=True)
     save_file(ema_tensors, f"{ema_dir}/pytorch_lora_weights.safetensors", metadata=meta)
+    write_manifest(ckpt["path"])  # planted on purpose: re-sealed, or the export refuses the changed file
 
     out = tmp_path / "export"
     code, stdout, err = run_cli(store.home, "export", str(run_id), "--format", "hub", "--out", str(out))
@@ -104,12 +106,24 @@ def test_exported_folder_loads_with_plain_diffusers_and_the_card_parses_back(tra
 
     # a picked checkpoint and a license; without the ema folder only the raw LoRA is exported
     shutil.rmtree(ema_dir)
+    write_manifest(ckpt["path"])
     out2 = tmp_path / "export2"
     done = export_hub(store, run_id, out2, checkpoint_step=2, license_id="apache-2.0")
     assert not done.has_ema and not (out2 / "ema").exists()
     assert ModelCard.load(out2 / "README.md").data.license == "apache-2.0"
     if backup.is_dir():
         shutil.copytree(backup, ema_dir)
+    write_manifest(ckpt["path"])
+
+    # a checkpoint that does not match its manifest is never exported
+    stray = Path(ckpt["path"]) / "stray.bin"
+    stray.write_bytes(b"not part of the checkpoint")
+    try:
+        code, _, err = run_cli(store.home, "export", str(run_id), "--format", "hub", "--out", str(tmp_path / "x"))
+    finally:
+        stray.unlink()
+    assert code == 2 and "Traceback" not in err and "stray.bin' is not listed in manifest.json" in err
+    assert not (tmp_path / "x").exists()
 
 
 def test_push_offline_or_without_token_is_one_sentence_and_exit_code_2(trained, tmp_path, monkeypatch):
