@@ -50,19 +50,33 @@ class Heartbeat(threading.Thread):
         self.interval = interval
         self.stop_requested = threading.Event()
         self._done = threading.Event()
+        self.failures = 0  # consecutive beats that could not reach the database
 
     def beat(self) -> None:
         try:
             stop = self.writer.flush(heartbeat=True)
-        except Exception:  # noqa: BLE001 - a busy or unreachable database must not kill training
-            log.exception("heartbeat: could not write the buffered rows; they stay buffered for the next beat")
+        except Exception as e:  # noqa: BLE001 - a busy or unreachable database must not kill training
+            self._failed("could not write the buffered rows; they stay buffered for the next beat", e)
             try:  # a batch the database refuses must not silence the heartbeat too
                 stop = self.writer.store.heartbeat(self.writer.run_id)
-            except Exception:  # noqa: BLE001
-                log.exception("heartbeat: the database is unreachable; retrying")
+            except Exception:  # noqa: BLE001 - counted above: one failed beat
                 return
+        else:
+            if self.failures:
+                log.warning("heartbeat: the database takes the rows again after %d failed beats", self.failures)
+                self.failures = 0
         if stop:
             self.stop_requested.set()
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        """The first failure with its traceback, then one line at the 2nd, 5th and every 20th: a database that
+        stays down (a full disk) must not fill the job log with a traceback per beat."""
+        self.failures += 1
+        n = self.failures
+        if n == 1:
+            log.exception("heartbeat: %s", what)
+        elif n in (2, 5) or n % 20 == 0:
+            log.warning("heartbeat: %s (%d failed beats; last: %s: %s)", what, n, type(exc).__name__, exc)
 
     def run(self) -> None:
         while not self._done.wait(self.interval):

@@ -183,6 +183,40 @@ def test_a_step_cannot_be_stored_twice(store):
     assert beat.should_stop() and (store.get_run(run_id).heartbeat_at or 0) > (before or 0)
 
 
+def test_a_heartbeat_against_a_dead_database_logs_one_traceback_not_one_per_beat(caplog):
+    """A full disk under the database fails every beat: the job log gets the first traceback, then a line at
+    the 2nd, 5th and every 20th failed beat, and a line when the database takes the rows again."""
+    import logging
+
+    from jobs.job import Heartbeat
+
+    class DeadWriter:
+        run_id, fail = 1, True
+
+        def flush(self, heartbeat=False):
+            if self.fail:
+                raise OSError(28, "No space left on device")
+            return False
+
+        class store:  # noqa: N801 - the writer's store attribute
+            @staticmethod
+            def heartbeat(run_id):
+                raise OSError(28, "No space left on device")
+
+    writer = DeadWriter()
+    beat = Heartbeat(writer, interval=1.0)
+    with caplog.at_level(logging.WARNING, logger="jobs.job"):
+        for _ in range(40):
+            beat.beat()
+        writer.fail = False
+        beat.beat()
+    records = [r for r in caplog.records if r.name == "jobs.job"]
+    assert sum(r.exc_info is not None for r in records) == 1  # one traceback in 40 failed beats
+    counted = [r.getMessage() for r in records if "failed beats" in r.getMessage()]
+    assert [m.split("(")[1].split(" failed")[0] for m in counted[:4]] == ["2", "5", "20", "40"]
+    assert "takes the rows again after 40 failed beats" in records[-1].getMessage() and beat.failures == 0
+
+
 def test_state_transitions(store):
     first, second, third = _new_run(store), _new_run(store), _new_run(store)
     assert [r.status for r in store.list_runs()] == [s.QUEUED] * 3
