@@ -102,8 +102,8 @@ def main(out: Path) -> None:
     results["step_scope"] = {**seen, "lora": lora(trainer), "events": [e.kind for e in events]}
 
     # 2. MARBLE with the authors' refresh scope: a full step (first unit harmonized) then an amortized one,
-    #    with every all-reduce logged.
-    trainer = Trainer(small_config("marble", 2), out / "unused")
+    #    with every all-reduce logged. No warm-up step: a warm-up step harmonizes every unit.
+    trainer = Trainer(small_config("marble", 2, **{"balance.warmup_steps": 0}), out / "unused")
     seen = record(trainer)
     log, restore = count_all_reduces(trainer)
     for step in range(2):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from core.checkpoint import load_state, strip_prefix
+from core.checkpoint import STATE_TENSORS_FILE, load_state, strip_prefix
 from core.config import PRESETS, ConfigError, preset
 from core.distributed import DistContext, check_batch_split, process_device
 from core.launch import torchrun_command
@@ -234,4 +234,4 @@ def test_only_rank_zero_writes_and_a_distributed_resume_repeats_the_uninterrupte
 def test_a_stop_requested_on_rank_zero_stops_every_rank_after_the_same_step(worker):
     r0, r1 = worker.results()
     assert r0["stopped"] == r1["stopped"] == {"status": "stopped", "step": 1}
-    assert (worker.out / "stopped" / "checkpoints" / "step_000001" / "training_state.pt").is_file()
+    assert (worker.out / "stopped" / "checkpoints" / "step_000001" / STATE_TENSORS_FILE).is_file()
