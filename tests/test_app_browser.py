@@ -338,7 +338,8 @@ def test_what_a_researcher_checks_after_a_reload(page, server):
     tab(page, "Runs")
     page.wait_for_function("() => document.querySelector('#runs-table').innerText.includes('short run')",
                            timeout=30_000)
-    page.locator("#runs-table").get_by_text("short run").first.click()
+    # Gradio's table keeps hidden copies of its cells (for sizing): click the one the user sees
+    page.locator("#runs-table").get_by_text("short run").filter(visible=True).first.click()
     page.wait_for_function("() => document.querySelector('#runs-pick input').value.includes('short run')",
                            timeout=20_000)
     page.wait_for_function("() => document.querySelector('#run-cancel').disabled", timeout=20_000)
