@@ -9,7 +9,8 @@ one() {  # form seed
   if [ -d $out/checkpoints/step_000200 ]; then return; fi
   resume=""; [ -d $out/checkpoints ] && resume="--resume"
   /usr/bin/time -f "%e s wall" -o $out.time nice -n 15 .venv/bin/python -m core.train --preset mini-marble \
-    --set seed=$2 --set balance.amortized_combination=$1 --out $out $resume --quiet > $out.log 2>&1
+    --set seed=$2 --set balance.amortized_combination=$1 --set balance.gradients=per_reward \
+    --out $out $resume --quiet > $out.log 2>&1
 }
 mkdir -p runs/ablation-amortized
 for s in 0 1 2 3; do
