@@ -104,7 +104,8 @@ class PerSampleGradients:
                              f"linear layer (first: shape {tuple(params[missing[0]].shape)}); use the "
                              f"K-backward path")
         self._inputs: dict[torch.nn.Module, torch.Tensor] = {}
-        self._filled: set[torch.nn.Module] = set()  # layers whose rows the current pass has written
+        self._outputs: list[torch.Tensor] = []  # every recorded layer's output, in forward order
+        self._roots: list[torch.Tensor] = []  # those whose layer's input is no recorded output (LoRA's A)
         self._handles: list = []
         self._batch = 0
         self._pass: int | None = None  # the row block being filled; None outside ``backward``
@@ -131,6 +132,8 @@ class PerSampleGradients:
 
     def release(self) -> None:
         self._inputs.clear()
+        self._outputs.clear()
+        self._roots.clear()
         self.jacobian = None
 
     def _on_forward(self, layer: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
@@ -140,6 +143,9 @@ class PerSampleGradients:
         if self.jacobian is None or x.shape[0] != self._batch:
             raise ValueError(f"per-sample gradients: a trainable layer saw a batch of {x.shape[0]} while "
                              f"{self._batch} samples are recorded")
+        if not any(x is out for out in self._outputs):  # a root (LoRA's A), not fed by another recorded layer
+            self._roots.append(output)
+        self._outputs.append(output)
         self._inputs[layer] = x.detach()
         output.register_hook(lambda grad, layer=layer: self._on_grad(layer, grad))
 
@@ -154,29 +160,21 @@ class PerSampleGradients:
         offset, numel = self._layers[layer]
         rows = self.jacobian[self._pass * b:(self._pass + 1) * b, offset:offset + numel]
         rows += per_sample.reshape(b, numel)  # += : a layer called twice in one forward adds both calls
-        self._filled.add(layer)
 
-    def backward(self, total: torch.Tensor, pass_index: int, retain_graph: bool = True) -> torch.Tensor:
-        """One backward pass of ``total`` (a sum over the recorded samples of a per-sample loss): fills
-        J's row block ``pass_index``. Returns the ordinary (summed) gradient, flat [P], which equals
-        that block's column sums (a built-in check)."""
-        params = [layer.weight for layer in self._layers]
+    def backward(self, total: torch.Tensor, pass_index: int, retain_graph: bool = True) -> None:
+        """One backward pass of ``total`` (a sum over the recorded samples of a per-sample loss): fills J's row
+        block ``pass_index``. The pass stops at the recorded root layers' outputs (LoRA's A: [b, tokens, r],
+        small): it reaches every recorded layer without computing the parameters' summed gradients, which the
+        rows hold anyway."""
+        if not self._roots:  # e.g. a forward outside ``recording``: J would be silently zero
+            raise RuntimeError("per-sample gradients: no recorded forward of the trainable layers; record v_θ's "
+                               "forward with ``recording``, or use balance.gradients=per_reward")
         self._pass = pass_index
-        self._filled.clear()
         try:
-            grads = torch.autograd.grad(total, params, retain_graph=retain_graph, allow_unused=True)
+            grads = torch.autograd.grad(total, self._roots, retain_graph=retain_graph, allow_unused=True)
         finally:
             self._pass = None
-        unfilled = [layer for layer, g in zip(self._layers, grads) if g is not None and layer not in self._filled]
-        if unfilled:  # e.g. a forward outside ``recording`` or under reentrant checkpointing: J would be wrong
-            raise RuntimeError(f"per-sample gradients: {len(unfilled)} of {len(self._layers)} trainable layers "
-                               f"had a gradient but no recorded forward; use balance.gradients=per_reward")
-        flat = torch.zeros(self.num_params, dtype=self.jacobian.dtype, device=self.jacobian.device)
-        for layer, g in zip(self._layers, grads):
-            if g is not None:
-                offset, numel = self._layers[layer]
-                flat[offset:offset + numel] = g.reshape(-1).to(flat.dtype)
-        return flat
+        del grads  # reaching the roots ran every layer's hook; their gradients themselves are not needed
 
 
 def per_reward_gradients(jacobian: torch.Tensor, r: torch.Tensor, nft_beta: float,

@@ -393,13 +393,17 @@ class Worker:
     # ---- one round --------------------------------------------------------------------------------
     def tick(self) -> None:
         self._reap()
-        reconcile(self.store, self.settings, skip=set(self.children))
+        reconcile(self.store, self.settings, skip=self._watched())  # runs this worker watches itself
         self._escalate_cancels()
         while not self._stopping and self.store.count_runs(s.RUNNING) < self.slots:
             run_id = self.store.claim(slots=self.slots)
             if run_id is None:
                 break
             self._start(run_id)
+
+    def _watched(self) -> set[int]:
+        """The runs whose end this worker sees itself (its child processes)."""
+        return set(self.children)
 
     def _reap(self) -> None:
         for run_id, proc in list(self.children.items()):

@@ -162,18 +162,9 @@ class SlurmWorker(Worker):
         ex.update_parameters(**slurm_parameters(run, c))
         return ex
 
-    def tick(self) -> None:
-        """The runner's round, with the submitted jobs in place of child processes."""
-        from jobs.runner import reconcile
-
-        self._reap()
-        reconcile(self.store, self.settings, skip=set(self.jobs))  # this worker watches its own jobs
-        self._escalate_cancels()
-        while not self._stopping and self.store.count_runs(s.RUNNING) < self.slots:
-            run_id = self.store.claim(slots=self.slots)
-            if run_id is None:
-                break
-            self._start(run_id)
+    def _watched(self) -> set[int]:
+        """The runner's round (``Worker.tick``) with the submitted jobs in place of child processes."""
+        return set(self.jobs)
 
     def _start(self, run_id: int) -> None:
         run = self.store.get_run(run_id)
