@@ -158,11 +158,12 @@ def test_a_bad_form_value_shows_its_error_and_starts_nothing(page, server):
 
 
 def test_start_a_run_watch_it_train_then_cancel_it(page, server):
-    small_run(page, steps=200, name="long run")
-    page.locator("#start-status").get_by_text("Queued run").wait_for(timeout=20_000)
+    # long enough never to finish on a loaded CI machine before the test cancels it (200 steps once did)
+    small_run(page, steps=2000, name="long run")
+    page.locator("#start-status").get_by_text("Queued run").wait_for(timeout=60_000)
     shot(page, "new-run")
     tab(page, "Dashboard")
-    page.locator("#dash-header").get_by_text("long run").wait_for(timeout=20_000)  # picked without a reload
+    page.locator("#dash-header").get_by_text("long run").wait_for(timeout=60_000)  # picked without a reload
     # The run trains: the header shows progress and the plots fill with data.
     deadline = time.time() + 240
     while time.time() < deadline and not (plot_traces(page, "plot-rewards") > 0
@@ -185,7 +186,11 @@ def test_start_a_run_watch_it_train_then_cancel_it(page, server):
     page.wait_for_function("() => { const b = document.querySelector('#run-cancel'); return b && !b.disabled; }",
                            timeout=30_000)
     page.locator("#run-cancel").click(timeout=60_000)
-    page.locator("#runs-message").get_by_text("stop requested").wait_for(timeout=30_000)
+    try:
+        page.locator("#runs-message").get_by_text("stop requested").wait_for(timeout=30_000)
+    except Exception as e:  # say what the page said instead
+        raise AssertionError(f"Cancel answered {page.locator('#runs-message').inner_text()!r}; runs table: "
+                             f"{page.locator('#runs-table').inner_text()[:600]!r}") from e
     assert "now running" not in page.locator("#runs-message").inner_text()
     page.wait_for_function("() => document.querySelector('#runs-table').innerText.includes('cancelled')",
                            timeout=90_000)
@@ -194,7 +199,7 @@ def test_start_a_run_watch_it_train_then_cancel_it(page, server):
 
 def test_compare_two_checkpoints_side_by_side(page, server):
     small_run(page, steps=2, name="short run")
-    page.locator("#start-status").get_by_text("Queued run").wait_for(timeout=20_000)
+    page.locator("#start-status").get_by_text("Queued run").wait_for(timeout=60_000)
     wait_until_done(server["home"], "short run")
     tab(page, "Compare")
     page.locator("#compare-reload").click()
@@ -249,7 +254,7 @@ def test_the_gallery_follows_the_picked_run(page, server):
     from jobs.storage import Store
 
     small_run(page, steps=2, name="other seed", seed=1)
-    page.locator("#start-status").get_by_text("Queued run").wait_for(timeout=20_000)
+    page.locator("#start-status").get_by_text("Queued run").wait_for(timeout=60_000)
     ids = {name: wait_until_done(server["home"], name) for name in ("short run", "other seed")}
     with Store.open(server["home"]) as store:
         files = {name: [hashlib.md5(Path(s["image"]).read_bytes()).hexdigest() for s in store.samples(i, step=2)]
