@@ -77,7 +77,8 @@ def _choices(path: str) -> tuple[str, ...]:
 
         return tuple(available_balancers())
     return {"advantage.std_mode": cfgmod.STD_MODES, "balance.refresh_scope": cfgmod.REFRESH_SCOPES,
-            "balance.amortized_combination": cfgmod.AMORTIZED_COMBINATIONS, "sampling.sampler": cfgmod.SAMPLERS,
+            "balance.amortized_combination": cfgmod.AMORTIZED_COMBINATIONS,
+            "balance.gradients": cfgmod.GRADIENT_PATHS, "sampling.sampler": cfgmod.SAMPLERS,
             "model.dtype": cfgmod.DTYPES,
             "prompts.split": ("train", "test"), "report_to": cfgmod.TRACKERS}.get(path, ())
 

@@ -121,6 +121,7 @@ def test_form_fields_cover_the_config_and_carry_help():
     assert fields["balance.normalize"].kind == "bool"
     # issue 15's knobs: choices for the amortized combination and the rollout sampler, the parameter EMA's decay
     assert fields["balance.amortized_combination"].choices == ("masked", "authors")
+    assert fields["balance.gradients"].choices == ("per_sample", "per_reward")
     assert fields["sampling.sampler"].kind == "choice" and fields["sampling.sampler"].choices == ("euler", "dpm2")
     assert fields["optim.ema_decay"].kind == "float" and "EMAModuleWrapper" in fields["optim.ema_decay"].help
 
