@@ -21,6 +21,8 @@ Cost: 2 backward passes instead of K (plus the KL's, as on the K-backward path) 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from core.loss import nft_policy_loss
@@ -104,7 +106,9 @@ class PerSampleGradients:
                              f"linear layer (first: shape {tuple(params[missing[0]].shape)}); use the "
                              f"K-backward path")
         self._inputs: dict[torch.nn.Module, torch.Tensor] = {}
-        self._outputs: list[torch.Tensor] = []  # every recorded layer's output, in forward order
+        # every recorded layer's output, by id, held weakly: a LoRA B output ([b, tokens, out]) must not outlive
+        # its use for this bookkeeping (on SD3.5 they would add up to gigabytes); the ref tells a reused id apart
+        self._outputs: dict[int, weakref.ref] = {}
         self._roots: list[torch.Tensor] = []  # those whose layer's input is no recorded output (LoRA's A)
         self._handles: list = []
         self._batch = 0
@@ -143,9 +147,10 @@ class PerSampleGradients:
         if self.jacobian is None or x.shape[0] != self._batch:
             raise ValueError(f"per-sample gradients: a trainable layer saw a batch of {x.shape[0]} while "
                              f"{self._batch} samples are recorded")
-        if not any(x is out for out in self._outputs):  # a root (LoRA's A), not fed by another recorded layer
+        fed_by = self._outputs.get(id(x))
+        if fed_by is None or fed_by() is not x:  # a root (LoRA's A), not fed by another recorded layer
             self._roots.append(output)
-        self._outputs.append(output)
+        self._outputs[id(output)] = weakref.ref(output)
         self._inputs[layer] = x.detach()
         output.register_hook(lambda grad, layer=layer: self._on_grad(layer, grad))
 
