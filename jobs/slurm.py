@@ -140,6 +140,7 @@ class SlurmWorker(Worker):
     def __init__(self, store: Store, cluster: ClusterSettings, slots: int = 64,
                  settings: RunnerSettings | None = None):
         cluster.validate()
+        private_folder(cluster.submitit_root(), store.home)  # refused here, before a run is claimed
         super().__init__(store, slots=slots, settings=settings)
         self.gpus = []  # GPUs are Slurm's to hand out, not this machine's
         self.cluster = cluster

@@ -74,6 +74,18 @@ def test_the_submitit_folder_is_private_and_outside_the_data_directory(tmp_path)
     shared.chmod(0o777)
     with pytest.raises(ValueError, match=r"writable by no one else \(mode drwxrwxrwx\)"):
         private_folder(shared, home)
+    # the worker refuses such a folder when it starts, before it claims a run (exit 2, one line)
+    store = Store.open(home)
+    try:
+        with pytest.raises(ValueError, match="must not lie inside the data directory"):
+            SlurmWorker(store, ClusterSettings(executor="local", folder=str(home / "submitit")))
+    finally:
+        store.close()
+    from jobs.cli import main as jobs_main
+
+    code = jobs_main(["--home", str(home), "worker", "--once", "--executor", "submitit-local",
+                      "--submitit-folder", str(shared)])
+    assert code == 2
 
 
 @pytest.mark.slow
