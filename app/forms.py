@@ -76,7 +76,7 @@ def _choices(path: str) -> tuple[str, ...]:
         from core.balancing import available_balancers
 
         return tuple(available_balancers())
-    return {"advantage.std_mode": cfgmod.STD_MODES, "balance.refresh_scope": cfgmod.REFRESH_SCOPES,
+    return {"advantage.std_mode": cfgmod.STD_MODES, "balance.harmonize_scope": cfgmod.HARMONIZE_SCOPES,
             "balance.amortized_combination": cfgmod.AMORTIZED_COMBINATIONS,
             "balance.gradients": cfgmod.GRADIENT_PATHS, "sampling.sampler": cfgmod.SAMPLERS,
             "model.dtype": cfgmod.DTYPES,

@@ -16,9 +16,37 @@ from plotly.subplots import make_subplots
 
 PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#EECA3B", "#9D755D", "#BAB0AC")
 
+# A harmonized step's balance rows; "full" is the name runs stored before the two were one word.
+HARMONIZED_PHASES = ("harmonized", "full")
+
 
 def colour(i: int) -> str:
+    """The i-th colour of the palette: for things that are not rewards (runs in a scatter, strategies)."""
     return PALETTE[i % len(PALETTE)]
+
+
+# Every reward has one colour on every page (dashboard, overlay, study, replay): its place in this list picks
+# it from REWARD_PALETTE. Rewards that train together come first and get the most distinct colours; a reward
+# not listed (a new one) gets a colour from its name's CRC (stable across processes, may repeat one).
+REWARD_ORDER = ("color_fidelity", "count_accuracy", "spatial_relation", "colorfulness", "jpeg_compressibility",
+                "brightness", "pickscore", "hpsv2", "clipscore", "ocr", "geneval", "aesthetic", "imagereward",
+                "contrast", "sharpness", "gray_entropy", "jpeg_incompressibility", "world_geneval", "remote")
+REWARD_PALETTE = PALETTE[:8] + ("#FF9DA6", "#393B79", "#637939", "#8C6D31", "#843C39", "#7B4173", "#17BECF",
+                                "#BCBD22", "#5254A3", "#BAB0AC", "#D6616B")
+
+
+def reward_colour(name: str) -> str:
+    """The colour of reward ``name``, the same on every figure of every page."""
+    if name in REWARD_ORDER:
+        return REWARD_PALETTE[REWARD_ORDER.index(name) % len(REWARD_PALETTE)]
+    import zlib
+
+    return REWARD_PALETTE[zlib.crc32(name.encode()) % len(REWARD_PALETTE)]
+
+
+RUN_DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
+RUN_SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star", "cross", "triangle-down")
+"""Runs on one overlay are told apart by dash (lines) and marker symbol; the reward keeps its colour."""
 
 
 _GRID = "#EBF0F8"
@@ -83,10 +111,11 @@ def reward_curves(series: dict[str, tuple[list[int], list[float | None]]], rewar
     fig = make_subplots(rows=1, cols=len(names), subplot_titles=names, horizontal_spacing=0.06)
     for i, name in enumerate(names):
         steps, values = series[f"reward/{name}"]
-        fig.add_trace(go.Scatter(x=_arr(steps), y=_arr(values), mode="lines", line=dict(color=colour(i), width=1),
+        c = reward_colour(name)
+        fig.add_trace(go.Scatter(x=_arr(steps), y=_arr(values), mode="lines", line=dict(color=c, width=1),
                                  opacity=0.35, name=f"{name} (raw)", showlegend=False), row=1, col=i + 1)
         fig.add_trace(go.Scatter(x=_arr(steps), y=_arr(ema(values, smoothing)), mode="lines",
-                                 line=dict(color=colour(i), width=2.5), name=name, showlegend=False),
+                                 line=dict(color=c, width=2.5), name=name, showlegend=False),
                       row=1, col=i + 1)
         fig.update_xaxes(title_text="step", row=1, col=i + 1)
     return _layout(fig, f"Mean reward per step (smoothing {smoothing:g})", revision)
@@ -97,30 +126,55 @@ def alpha_trajectories(balance_rows: Sequence[dict], applied: dict[str, tuple[li
     """α* of every solve (markers), ᾱ (EMA, line), the α applied on each step (dotted), and 1/K."""
     if not balance_rows and not any(f"alpha/{n}" in applied for n in reward_names):
         return empty_figure("Balancing coefficients α",
-                            "No coefficients yet: they appear after the first full (harmonized) step.")
+                            "No coefficients yet: they appear after the first harmonized step.")
     fig = go.Figure()
-    full = [r for r in balance_rows if r.get("phase") == "full"]
-    for i, name in enumerate(reward_names):
-        c = colour(i)
+    full = [r for r in balance_rows if r.get("phase") in HARMONIZED_PHASES]
+    drawn: list[np.ndarray] = []
+    for name in reward_names:
+        c = reward_colour(name)
         if f"alpha/{name}" in applied:
             steps, values = applied[f"alpha/{name}"]
-            fig.add_trace(go.Scatter(x=_arr(steps), y=_arr(values), mode="lines",
+            drawn.append(_arr(values))
+            fig.add_trace(go.Scatter(x=_arr(steps), y=drawn[-1], mode="lines",
                                      line=dict(color=c, width=1, dash="dot"), name=f"{name} applied",
                                      legendgroup=name, showlegend=False))
         if full:
             xs = _arr(r["step"] for r in full)
-            fig.add_trace(go.Scatter(x=xs, y=_arr(r["alpha_ema"].get(name) for r in full), mode="lines",
+            drawn += [_arr(r["alpha_ema"].get(name) for r in full), _arr(r["alpha_raw"].get(name) for r in full)]
+            fig.add_trace(go.Scatter(x=xs, y=drawn[-2], mode="lines",
                                      line=dict(color=c, width=2.5), name=f"{name} ᾱ (EMA)", legendgroup=name))
-            fig.add_trace(go.Scatter(x=xs, y=_arr(r["alpha_raw"].get(name) for r in full), mode="markers",
+            fig.add_trace(go.Scatter(x=xs, y=drawn[-1], mode="markers",
                                      marker=dict(color=c, size=7, symbol="circle-open"), name=f"{name} α* (solve)",
                                      legendgroup=name, showlegend=False))
     k = len(reward_names)
-    if k:
-        fig.add_hline(y=1 / k, line=dict(color="#888", dash="dash", width=1),
-                      annotation_text=f"uniform 1/K = {1 / k:.3g}", annotation_position="top left")
-    fig.update_yaxes(title_text="α", range=[-0.02, 1.02])
+    uniform = 1 / k if k else None
+    if uniform is not None:
+        _uniform_line(fig, uniform)
+    fig.update_yaxes(title_text="α", range=alpha_range(drawn, uniform))
     fig.update_xaxes(title_text="step")
-    return _layout(fig, "Balancing coefficients: α* per solve (circles), ᾱ (lines), applied (dotted)", revision)
+    fig = _layout(fig, "Balancing coefficients: α* per solve (circles), ᾱ (lines), applied (dotted)", revision)
+    fig.update_layout(margin=dict(r=90))  # room for the 1/K label right of the plot, clear of every line
+    return fig
+
+
+def alpha_range(arrays: Sequence[np.ndarray], uniform: float | None) -> list[float]:
+    """The α axis fitted to the values drawn and 1/K, with 8% headroom each side (α near 1/K is the usual
+    case: a fixed [0, 1] axis flattened every trajectory into one line), kept within [-0.02, 1.02]."""
+    vals = [a[np.isfinite(a)] for a in arrays if len(a)]
+    finite = np.concatenate(vals) if vals else np.array([])
+    points = list(finite) + ([uniform] if uniform is not None else [])
+    if not points:
+        return [-0.02, 1.02]
+    lo, hi = float(min(points)), float(max(points))
+    pad = max(0.08 * (hi - lo), 0.02)
+    return [max(lo - pad, -0.02), min(hi + pad, 1.02)]
+
+
+def _uniform_line(fig: go.Figure, uniform: float) -> None:
+    """The 1/K reference: a dashed line, its label in the right margin (never over a trajectory)."""
+    fig.add_hline(y=uniform, line=dict(color="#888", dash="dash", width=1))
+    fig.add_annotation(text=f"1/K = {uniform:.3g}", xref="paper", x=1.0, xanchor="left", yref="y", y=uniform,
+                       showarrow=False, font=dict(size=11, color="#666"))
 
 
 def cosine_heatmap(row: dict | None, revision: Any = "cos") -> go.Figure:
@@ -151,18 +205,23 @@ def conflict_panels(balance_rows: Sequence[dict], reward_names: Sequence[str],
                         subplot_titles=("cos(g_k, update) solid · cos(g_k, Σg/K) dotted", "min over rewards",
                                         "mean over rewards", "variance over rewards"))
     xs = _arr(stats["steps"])
+    k = len(reward_names)
     for i, name in enumerate(reward_names):
+        # rewards often share a cosine (α* ≈ 1/K): each has its own marker, and the lines narrow from the first
+        # reward to the last, so a line drawn over another leaves the one below visible at its edges
+        c, width = reward_colour(name), 1.2 + 2.4 * (k - 1 - i) / max(k - 1, 1)
         fig.add_trace(go.Scatter(x=xs, y=_arr(r["cos_to_update"].get(name) for r in rows), mode="lines+markers",
-                                 marker=dict(size=4), line=dict(color=colour(i)), name=name), row=1, col=1)
+                                 marker=dict(size=7, symbol=RUN_SYMBOLS[i % len(RUN_SYMBOLS)] + "-open", color=c),
+                                 line=dict(color=c, width=width), opacity=0.85, name=name, legendgroup=name),
+                      row=1, col=1)
         if any(cos_to_mean(r) for r in rows):  # the paper's Fig. S2 reference direction, labelled apart
             fig.add_trace(go.Scatter(x=xs, y=_arr(cos_to_mean(r).get(name) for r in rows), mode="lines",
-                                     line=dict(color=colour(i), dash="dot"), name=f"{name} vs Σg/K"), row=1, col=1)
-    fig.add_trace(go.Scatter(x=xs, y=_arr(stats["min"]), mode="lines+markers", marker=dict(size=4),
-                             line=dict(color="#E45756"), name="min", showlegend=False), row=1, col=2)
-    fig.add_trace(go.Scatter(x=xs, y=_arr(stats["mean"]), mode="lines+markers", marker=dict(size=4),
-                             line=dict(color="#4C78A8"), name="mean", showlegend=False), row=2, col=1)
-    fig.add_trace(go.Scatter(x=xs, y=_arr(stats["var"]), mode="lines+markers", marker=dict(size=4),
-                             line=dict(color="#54A24B"), name="variance", showlegend=False), row=2, col=2)
+                                     line=dict(color=c, dash="dot", width=1.2), name=f"{name} vs Σg/K",
+                                     legendgroup=name), row=1, col=1)
+    for values, label, (r_, c_) in ((stats["min"], "min", (1, 2)), (stats["mean"], "mean", (2, 1)),
+                                    (stats["var"], "variance", (2, 2))):  # across rewards: neutral, not a reward's
+        fig.add_trace(go.Scatter(x=xs, y=_arr(values), mode="lines+markers", marker=dict(size=4),
+                                 line=dict(color="#444"), name=label, showlegend=False), row=r_, col=c_)
     for r, c in ((1, 1), (1, 2), (2, 1)):
         fig.add_hline(y=0, line=dict(color="#999", width=1, dash="dash"), row=r, col=c)
     rate = stats["conflict_rate"]
@@ -249,15 +308,15 @@ def pareto_scatter(points: Sequence[dict], x_reward: str, y_reward: str) -> go.F
 
 def alpha_overlay(runs: Sequence[dict], reward_names: Sequence[str]) -> go.Figure:
     """ᾱ trajectories of several runs overlaid: one colour per reward, one dash style per run."""
-    dashes = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
     fig = go.Figure()
     for j, run in enumerate(runs):
         rows = [r for r in run["balance"] if r.get("alpha_ema")]
-        for i, name in enumerate(reward_names):
+        for name in reward_names:
             if not rows:
                 continue
             fig.add_trace(go.Scatter(x=[r["step"] for r in rows], y=_finite(r["alpha_ema"].get(name) for r in rows),
-                                     mode="lines", line=dict(color=colour(i), dash=dashes[j % len(dashes)]),
+                                     mode="lines", line=dict(color=reward_colour(name),
+                                                             dash=RUN_DASHES[j % len(RUN_DASHES)]),
                                      name=f"{run['label']} · {name}"))
     if not fig.data:
         return empty_figure("α across runs", "None of the selected runs has balancing rows yet.")
@@ -273,10 +332,11 @@ def replay_figure(steps: Sequence[int], recorded: Sequence[Sequence[float]], rep
         return empty_figure("Replay", "This run has no stored Gram matrices (no full or diagnostic steps yet).")
     fig = go.Figure()
     for i, name in enumerate(reward_names):
+        c = reward_colour(name)
         fig.add_trace(go.Scatter(x=list(steps), y=[r[i] for r in recorded], mode="lines",
-                                 line=dict(color=colour(i), width=1.2, dash="dot"), name=f"{name} recorded"))
+                                 line=dict(color=c, width=1.2, dash="dot"), name=f"{name} recorded"))
         fig.add_trace(go.Scatter(x=list(steps), y=[r[i] for r in replayed], mode="lines+markers",
-                                 marker=dict(size=5), line=dict(color=colour(i), width=2.5), name=f"{name} {label}"))
+                                 marker=dict(size=5), line=dict(color=c, width=2.5), name=f"{name} {label}"))
     fig.update_yaxes(title_text="ᾱ", range=[-0.02, 1.02])
     fig.update_xaxes(title_text="step")
     return _layout(fig, f"Replay: recorded ᾱ (dotted) vs {label} (solid)", None, height=420)

@@ -39,12 +39,12 @@ def gram_from_row(row: dict, reward_names: Sequence[str]) -> np.ndarray:
     return cos * np.outer(norms, norms)
 
 
-def replay(rows: Sequence[dict], reward_names: Sequence[str], ema_rho: float, refresh_every: int,
+def replay(rows: Sequence[dict], reward_names: Sequence[str], ema_rho: float, harmonize_every: int,
            normalize: bool = True, alpha_floor: float = 0.0, reward_groups: dict | None = None,
            group_weights: dict | None = None) -> ReplayResult:
     """Run the MARBLE balancer over the stored rows (steps are the runs' 1-based steps), optionally with the
     release's knobs: an α floor, reward groups and per-group weights (BalanceConfig documents each)."""
-    config = BalanceConfig(strategy="marble", ema_rho=ema_rho, refresh_every=refresh_every, warmup_steps=1,
+    config = BalanceConfig(strategy="marble", ema_rho=ema_rho, harmonize_every=harmonize_every, warmup_steps=1,
                            normalize=normalize, alpha_floor=alpha_floor, reward_groups=dict(reward_groups or {}),
                            group_weights=dict(group_weights or {}))
     config.validate(list(reward_names))
@@ -52,7 +52,7 @@ def replay(rows: Sequence[dict], reward_names: Sequence[str], ema_rho: float, re
     steps, recorded, replayed, solves = [], [], [], []
     for row in sorted((r for r in rows if r.get("cosine")), key=lambda r: r["step"]):
         step = int(row["step"])
-        if balancer.needs_gradients(step - 1):
+        if balancer.harmonizes(step - 1):
             balancer.balance(gram_from_row(row, reward_names), step - 1)
             solves.append(step)
         steps.append(step)

@@ -38,7 +38,7 @@ def _config(strategy: str, steps: int):
     from core.config import preset
 
     return preset("tiny").with_overrides({"balance.strategy": strategy, "steps": steps, "sample_every": 0,
-                                          "checkpoint_every": 0, "balance.refresh_every": 10,
+                                          "checkpoint_every": 0, "balance.harmonize_every": 10,
                                           "balance.diagnose_every": 0})
 
 
@@ -61,13 +61,13 @@ def bench_step_time(steps: int) -> dict:
             if step > 0:
                 seconds[name].append(time.perf_counter() - t0)
                 cpu[name].append(time.process_time() - c0)
-    # Amortized MARBLE's cost includes its 1-in-N full steps: a plain mean over whole N-step windows.
+    # Amortized MARBLE's cost includes its 1-in-N harmonized steps: a plain mean over whole N-step windows.
     # CPU time (all threads of this process) is the ratio's measure: waiting for a core while other
     # processes run does not count, which keeps the ratio stable on a shared machine.
     mean = {s: statistics.fmean(v) for s, v in cpu.items()}
     wall = {s: statistics.fmean(v) for s, v in seconds.items()}
     base = mean["weighted_sum"]
-    return {"bench": "step_time", "model": "tiny", "steps": steps, "refresh_every": 10,
+    return {"bench": "step_time", "model": "tiny", "steps": steps, "harmonize_every": 10,
             "cpu_seconds_per_step": {s: round(v, 4) for s, v in mean.items()},
             "wall_seconds_per_step": {s: round(v, 4) for s, v in wall.items()},
             "ratio_marble_over_weighted_sum": round(mean["marble"] / base, 4),

@@ -33,14 +33,14 @@ def _synthetic_run(store, steps: int, diagnose_every: int = 10) -> int:
         wave = [math.sin(s / 300 + k) for k in range(3)]
         writer(StepEvent(step=s, rewards={n: w for n, w in zip(REWARDS, wave)},
                          alpha={n: 1 / 3 for n in REWARDS}, seconds=1.0, loss=1.0, kl=0.0, grad_norm=1.0,
-                         phase="full" if s % diagnose_every == 1 else "amortized",
+                         phase="harmonized" if s % diagnose_every == 1 else "amortized",
                          valid_counts={n: 16 for n in REWARDS}, reward_std={n: 0.1 for n in REWARDS}))
         if s % diagnose_every == 1:
             writer(BalanceEvent(step=s, alpha_raw={n: 1 / 3 for n in REWARDS}, alpha_ema={n: 1 / 3 for n in REWARDS},
                                 cosine={"names": REWARDS, "matrix": [[1.0, -0.2, 0.1], [-0.2, 1.0, 0.3],
                                                                      [0.1, 0.3, 1.0]]},
                                 cos_to_update={n: 0.2 for n in REWARDS}, grad_norms={n: 1.0 for n in REWARDS},
-                                valid={n: True for n in REWARDS}, solver="cvxpy:OSQP:optimal", phase="full"))
+                                valid={n: True for n in REWARDS}, solver="cvxpy:OSQP:optimal", phase="harmonized"))
     writer.flush()
     return run_id
 

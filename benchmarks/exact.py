@@ -1,4 +1,4 @@
-"""Exact MARBLE on every step: the whole step harmonized (marble_full, refresh_scope "step") over weighted-sum
+"""Exact MARBLE on every step: the whole step harmonized (marble_full, harmonize_scope "step") over weighted-sum
 training on the default preset (mini-marble), per-reward gradients from per-sample gradients (two backward
 passes, core/per_sample.py) or from one backward pass per reward; and the per-sample path's cost at K = 8
 against K = 4 (four weight-free rewards added), where the K-backward path's grows with K."""
@@ -16,7 +16,7 @@ def _config(strategy: str, gradients: str, k8: bool, steps: int):
     from core.config import preset
 
     cfg = preset("mini-marble")
-    sets = {"balance.strategy": strategy, "balance.refresh_scope": "step", "balance.gradients": gradients,
+    sets = {"balance.strategy": strategy, "balance.harmonize_scope": "step", "balance.gradients": gradients,
             "balance.diagnose_every": 0, "steps": steps, "sample_every": 0, "checkpoint_every": 0}
     if k8:
         sets["rewards"] = [{"name": r.name} for r in cfg.rewards] + [{"name": n} for n in EXTRA_REWARDS]

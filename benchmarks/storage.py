@@ -64,7 +64,7 @@ def bench_reads(store, steps: int = 20_000) -> dict:
         batch = Batch()
         for t in range(start, min(start + 1000, steps + 1)):
             ev = StepEvent(step=t, rewards={n: 0.5 for n in names}, alpha={n: 1 / 3 for n in names}, seconds=1.0,
-                           loss=0.1, kl=0.0, grad_norm=1.0, phase="full" if t % 10 == 1 else "amortized",
+                           loss=0.1, kl=0.0, grad_norm=1.0, phase="harmonized" if t % 10 == 1 else "amortized",
                            valid_counts={n: 16 for n in names}, reward_std={n: 0.1 for n in names})
             row, metrics = step_rows(ev.to_dict())
             batch.steps.append(row)
@@ -73,7 +73,7 @@ def bench_reads(store, steps: int = 20_000) -> dict:
                 b = BalanceEvent(step=t, alpha_raw={n: 1 / 3 for n in names}, alpha_ema={n: 1 / 3 for n in names},
                                  cosine={"names": names, "matrix": [[1.0] * 3] * 3},
                                  cos_to_update={n: 0.5 for n in names}, grad_norms={n: 1.0 for n in names},
-                                 valid={n: True for n in names}, solver="cvxpy-OSQP", phase="full").to_dict()
+                                 valid={n: True for n in names}, solver="cvxpy-OSQP", phase="harmonized").to_dict()
                 b.pop("event")
                 batch.balance.append(b)
             if t % 100 == 0:

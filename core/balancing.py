@@ -2,7 +2,7 @@
 
 A balancer maps the K×K Gram matrix G_ij = g_i·g_j of the RAW per-reward gradients (plus its own
 explicit state, e.g. the EMA ᾱ) to K weights. It never calls backward: the trainer computes the
-gradients, asks :meth:`Balancer.needs_gradients`, and applies what :meth:`Balancer.balance` or
+gradients, asks :meth:`Balancer.harmonizes`, and applies what :meth:`Balancer.balance` or
 :meth:`Balancer.advantage_weights` return.
 
 Symbols (spec): g_k per-reward gradient, ĝ_k = g_k/‖g_k‖, Ĝ the Gram matrix of the ĝ_k,
@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # only for annotations: core.config imports this module (lazi
 
 @dataclass
 class BalanceDecision:
-    """What one full step decided (spec §4); all arrays are [K] float64 (``valid`` bool)."""
+    """What one harmonized step decided (spec §4); all arrays are [K] float64 (``valid`` bool)."""
 
     alpha_raw: np.ndarray
     """α* of this solve, on the simplex over the valid rewards, 0 for excluded ones."""
@@ -105,8 +105,8 @@ class Balancer(abc.ABC):
         """K."""
         return len(self.reward_names)
 
-    def needs_gradients(self, step: int) -> bool:
-        """Must this step compute the K per-reward gradients to decide its update? (MARBLE full steps.)"""
+    def harmonizes(self, step: int) -> bool:
+        """Must this step compute the K per-reward gradients to decide its update? (MARBLE harmonized steps.)"""
         _check_step(step)
         return False
 
@@ -213,7 +213,7 @@ class TorchJDWeighting:
 class MarbleBalancer(Balancer):
     """MARBLE (spec §4-§6): min-norm α* on the normalized Gram every N steps, EMA ᾱ in between.
 
-    State: ᾱ (``alpha_ema``, None before the first solve), ``last_full_step``, ``num_solves``.
+    State: ᾱ (``alpha_ema``, None before the first solve), ``last_harmonized_step``, ``num_solves``.
     ``weighting`` (Gram in, weights and a status out) is the part other balancers swap.
     """
 
@@ -226,23 +226,23 @@ class MarbleBalancer(Balancer):
                  reward_weights: list[float] | None = None):
         super().__init__(reward_names, config, reward_weights)
         self.alpha_ema: np.ndarray | None = None
-        self.last_full_step: int | None = None
+        self.last_harmonized_step: int | None = None
         self.num_solves = 0
 
     # -- schedule (spec §5) --
-    def needs_gradients(self, step: int) -> bool:
-        """Full step when step < warmup_steps, before the first solve, or N = refresh_every steps after
-        the last full step."""
+    def harmonizes(self, step: int) -> bool:
+        """Harmonized step when step < warmup_steps, before the first solve, or N = harmonize_every steps after
+        the last harmonized step."""
         step = _check_step(step)
-        return (step < self.config.warmup_steps or self.last_full_step is None
-                or step - self.last_full_step >= self.config.refresh_every)
+        return (step < self.config.warmup_steps or self.last_harmonized_step is None
+                or step - self.last_harmonized_step >= self.config.harmonize_every)
 
     def advantage_weights(self, step: int) -> np.ndarray:
         """ᾱ (uniform 1/K before the first solve)."""
         _check_step(step)
         return _uniform(self.num_rewards) if self.alpha_ema is None else self.alpha_ema.copy()
 
-    # -- one full step (spec §4) --
+    # -- one harmonized step (spec §4) --
     def balance(self, gram: np.ndarray, step: int) -> BalanceDecision:
         start = time.perf_counter()
         step = _check_step(step)
@@ -250,7 +250,7 @@ class MarbleBalancer(Balancer):
         valid = valid_gradients(G)
         alpha_raw, grad_weights, solver = self._harmonize(G, valid)
         self._update_ema(alpha_raw, solver)
-        self.last_full_step = step
+        self.last_harmonized_step = step
         self.num_solves += 1
         return BalanceDecision(alpha_raw, self.advantage_weights(step), grad_weights, valid, solver,
                                time.perf_counter() - start)
@@ -347,7 +347,7 @@ class MarbleBalancer(Balancer):
     def state_dict(self) -> dict:
         state = super().state_dict()
         state.update(alpha_ema=None if self.alpha_ema is None else [float(a) for a in self.alpha_ema],
-                     last_full_step=self.last_full_step, num_solves=self.num_solves)
+                     last_harmonized_step=self.last_harmonized_step, num_solves=self.num_solves)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -359,13 +359,13 @@ class MarbleBalancer(Balancer):
                     or abs(alpha.sum() - 1.0) > 1e-6):
                 raise ValueError(f"alpha_ema must be {self.num_rewards} numbers >= 0 summing to 1; "
                                  f"got {state.get('alpha_ema')!r}")
-        last = state.get("last_full_step")
+        last = state.get("last_harmonized_step", state.get("last_full_step"))  # the old name in older checkpoints
         if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < 0):
-            raise ValueError(f"last_full_step must be null or an integer >= 0; got {last!r}")
+            raise ValueError(f"last_harmonized_step must be null or an integer >= 0; got {last!r}")
         solves = state.get("num_solves", 0)
         if isinstance(solves, bool) or not isinstance(solves, int) or solves < 0:
             raise ValueError(f"num_solves must be an integer >= 0; got {solves!r}")
-        self.alpha_ema, self.last_full_step, self.num_solves = alpha, last, solves
+        self.alpha_ema, self.last_harmonized_step, self.num_solves = alpha, last, solves
 
 
 @register_balancer
@@ -375,7 +375,7 @@ class MarbleFullBalancer(MarbleBalancer):
     name = "marble_full"
     description = "MARBLE solving the QP on every step (no amortization; K+1 backward passes per step)"
 
-    def needs_gradients(self, step: int) -> bool:
+    def harmonizes(self, step: int) -> bool:
         _check_step(step)
         return True
 

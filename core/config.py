@@ -20,7 +20,7 @@ from core import limits
 SAMPLER_SIGMAS = ("scheduler",)
 SAMPLERS = ("euler", "dpm2")  # core.sampling.SAMPLERS
 STD_MODES = ("global", "group")
-REFRESH_SCOPES = ("first_microbatch", "step")
+HARMONIZE_SCOPES = ("first_microbatch", "step")
 AMORTIZED_COMBINATIONS = ("masked", "authors")
 GRADIENT_PATHS = ("per_sample", "per_reward")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -256,19 +256,20 @@ class BalanceConfig:
     strategy: str = "marble"
     """A registered balancer (``core.balancing.available_balancers()``): marble, marble_full, weighted_sum,
     equal, single, sequential, and extras."""
-    refresh_every: int = 10
-    """N: full harmonization (K per-reward backward passes + QP) every N steps; amortized in between."""
+    harmonize_every: int = 10
+    """N: a harmonized step (per-reward gradients and the min-norm QP) every N steps, amortized steps in
+    between."""  # the spec's "full step"; ``refresh_every`` before 2026-12 (RENAMED: old configs still load)
     warmup_steps: int = 1
-    """The first steps that are all full harmonization steps."""
+    """The first steps, each a harmonized step that harmonizes every unit (as the authors' code does)."""
     ema_rho: float = 0.7
     """ρ in ᾱ_t = ρ·ᾱ_{t-1} + (1-ρ)·α*_t; 0 disables the EMA."""
     normalize: bool = True
     """Normalize the per-reward gradients before the QP (the method fails without it; kept for ablation)."""
-    refresh_scope: str = "first_microbatch"
-    """Which part of a full step is harmonized: "first_microbatch" (the authors' code: the rest of the
+    harmonize_scope: str = "first_microbatch"  # ``refresh_scope`` before 2026-12
+    """Which part of a harmonized step is harmonized: "first_microbatch" (the authors' code: the rest of the
     step is amortized with the fresh ᾱ) or "step" (every micro-batch of the step)."""
     diagnose_every: int = 10
-    """M: per-reward gradient diagnostics every M steps for any strategy (0 = only on full steps)."""
+    """M: per-reward gradient diagnostics every M steps for any strategy (0 = only on harmonized steps)."""
     amortized_combination: str = "masked"
     """How an amortized unit combines the K rewards into one loss (docs/faithfulness.md). "masked": Σ_k ᾱ_k·ℓ_k
     with each ℓ_k the masked mean over the samples reward k applies to — the α the QP chose, applied as it
@@ -306,15 +307,15 @@ class BalanceConfig:
 
         names = sorted(available_balancers())
         _require(self.strategy in names, f"{prefix}.strategy", self.strategy, f"valid choices: {', '.join(names)}")
-        _require(_is_int(self.refresh_every) and self.refresh_every >= 1, f"{prefix}.refresh_every",
-                 self.refresh_every, "must be an integer >= 1")
+        _require(_is_int(self.harmonize_every) and self.harmonize_every >= 1, f"{prefix}.harmonize_every",
+                 self.harmonize_every, "must be an integer >= 1")
         _require(_is_int(self.warmup_steps) and self.warmup_steps >= 0, f"{prefix}.warmup_steps",
                  self.warmup_steps, "must be an integer >= 0")
         _require(_is_number(self.ema_rho) and 0 <= self.ema_rho < 1, f"{prefix}.ema_rho", self.ema_rho,
                  "must be a number in [0, 1)")
         _require(isinstance(self.normalize, bool), f"{prefix}.normalize", self.normalize, "must be true or false")
-        _require(self.refresh_scope in REFRESH_SCOPES, f"{prefix}.refresh_scope", self.refresh_scope,
-                 f"valid choices: {', '.join(REFRESH_SCOPES)}")
+        _require(self.harmonize_scope in HARMONIZE_SCOPES, f"{prefix}.harmonize_scope", self.harmonize_scope,
+                 f"valid choices: {', '.join(HARMONIZE_SCOPES)}")
         _require(_is_int(self.diagnose_every) and self.diagnose_every >= 0, f"{prefix}.diagnose_every",
                  self.diagnose_every, "must be an integer >= 0")
         _require(self.amortized_combination in AMORTIZED_COMBINATIONS, f"{prefix}.amortized_combination",
@@ -557,6 +558,9 @@ def _set_dotted(data: dict, key: str, value: Any) -> None:
                 raise ConfigError(key, value, f"'{part}' is not an index of a list of {len(node)}")
             part_key: Any = int(part)
         else:
+            renamed = {o: n for names in RENAMED.values() for o, n in names.items()}
+            if part not in node and part in renamed and isinstance(node, dict) and renamed[part] in node:
+                part = renamed[part]  # an old field name (e.g. balance.refresh_every) sets the renamed field
             if part not in node:
                 valid = ", ".join(sorted(node)) if isinstance(node, dict) else "none"
                 raise ConfigError(key, value, f"unknown key '{part}'; valid keys here: {valid}")
@@ -567,18 +571,34 @@ def _set_dotted(data: dict, key: str, value: Any) -> None:
             node = node[part_key]
 
 
+# Fields renamed since runs were first stored: {dataclass: {old name: new name}}. Stored configs (the database,
+# run folders, config files) keep loading; a config naming both the old and the new field is refused.
+RENAMED = {"BalanceConfig": {"refresh_every": "harmonize_every", "refresh_scope": "harmonize_scope"}}
+
+
+def _renamed(cls: type, data: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    out = dict(data)
+    for old, new in RENAMED.get(cls.__name__, {}).items():
+        if old in out:
+            if new in out:
+                raise ConfigError(f"{prefix + '.' if prefix else ''}{old}", out[old],
+                                  f"is the old name of {new}, which is also given; keep only {new}")
+            out[new] = out.pop(old)
+    return out
+
+
 def _build(cls: type, data: Any, prefix: str) -> Any:
     """Build a (nested) dataclass from plain JSON data, rejecting unknown keys by name."""
     name = prefix or "config"
     if not isinstance(data, Mapping):
         raise ConfigError(name, data, "must be a JSON object")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields) - set(RENAMED.get(cls.__name__, {})))
     if unknown:
         raise ConfigError(f"{prefix + '.' if prefix else ''}{unknown[0]}", data[unknown[0]],
                           f"unknown key; valid keys: {', '.join(fields)}")
     kwargs = {}
-    for key, value in data.items():
+    for key, value in _renamed(cls, data, prefix).items():
         f = fields[key]
         sub = f"{prefix}.{key}" if prefix else key
         kwargs[key] = _convert(f.type, value, sub)

@@ -54,7 +54,7 @@ class StepEvent(Event):
     loss: float
     kl: float
     grad_norm: float
-    phase: str  # "full" (harmonized), "diagnostic", or "amortized"
+    phase: str  # "harmonized", "diagnostic", or "amortized"
     valid_counts: dict[str, int] = field(default_factory=dict)
     reward_std: dict[str, float] = field(default_factory=dict)
     stage: int | None = None  # sequential strategy: the current stage
@@ -62,7 +62,7 @@ class StepEvent(Event):
 
 @dataclass
 class BalanceEvent(Event):
-    """Per-reward gradient diagnostics (every full step, and every M-th step for any strategy)."""
+    """Per-reward gradient diagnostics (every harmonized step, and every M-th step for any strategy)."""
 
     kind: ClassVar[str] = "balance"
     step: int
@@ -73,7 +73,7 @@ class BalanceEvent(Event):
     grad_norms: dict[str, float]
     valid: dict[str, bool]
     solver: str
-    phase: str  # "full" or "diagnostic"
+    phase: str  # "harmonized" or "diagnostic"
     update_norm: float = float("nan")
     solve_seconds: float = 0.0
     dropped: list[str] = field(default_factory=list)  # rewards dropped on this unit (balance.reward_dropout)

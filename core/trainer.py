@@ -3,7 +3,7 @@
 Per step:  rollout (old adapter) -> rewards R [B, K] -> per-reward advantages A [B, K] -> r [B, K]
 -> for each unit (a micro-batch of samples at one of their training timesteps):
      forward once: v_old, v_θ, v_ref -> L⁺, L⁻, KL                           (shared by all K rewards)
-     full (harmonized) unit: K backward passes -> g_k, Gram, QP -> d = Σ c_k g_k, plus ∇KL
+     harmonized unit: K backward passes -> g_k, Gram, QP -> d = Σ c_k g_k, plus ∇KL
      amortized unit: one backward of Σ_k ᾱ_k ℓ_k + λ_KL·KL                   (§5, single-reward cost)
 -> clip, AdamW, θ_old ← η·θ_old + (1-η)·θ.
 The trainer knows nothing about storage: it emits events (core.events) and checks ``should_stop``.
@@ -104,7 +104,7 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @dataclass
 class _HarmonizedSums:
-    """Σ over a step's harmonized units of g [K, P], ∇KL [P] and ℓ_k [K] (refresh_scope "step")."""
+    """Σ over a step's harmonized units of g [K, P], ∇KL [P] and ℓ_k [K] (harmonize_scope "step")."""
 
     g: torch.Tensor
     g_kl: torch.Tensor
@@ -313,14 +313,14 @@ class Trainer:
         T_grid = len(self.sigmas)
         T = max(1, int(T_grid * nft.timestep_fraction))
         t_index = torch.stack([_timestep_order(cfg.seed, step, i, T_grid)[:T] for i in shard.tolist()])  # [n, T]
-        full = self.balancer.needs_gradients(step) and not self.balancer.scalarize
+        harmonize = self.balancer.harmonizes(step) and not self.balancer.scalarize
         local = torch.arange(n)  # the order in which this process's samples form micro-batches
-        if full and bal.refresh_scope == "first_microbatch" and step >= bal.warmup_steps:
+        if harmonize and bal.harmonize_scope == "first_microbatch" and step >= bal.warmup_steps:
             local = self._stratify_harmonized(r_rewards, step)
         units = [(mb, j) for mb in local.split(self.micro_batch_size) for j in range(T)]
         U = len(units)  # this process's units; every process has as many (core.distributed.check_batch_split)
-        kinds = self._unit_kinds(step, U, full)
-        whole_step = full and bal.refresh_scope == "step"
+        kinds = self._unit_kinds(step, U, harmonize)
+        whole_step = harmonize and bal.harmonize_scope == "step"
         acc = _HarmonizedSums.zeros(K, self.policy.num_trainable, self.device) if whole_step else None
         diag: dict | None = None
         loss_total, kl_total = 0.0, 0.0
@@ -366,7 +366,7 @@ class Trainer:
             rewards={n: _nanmean(R[:, k]) for k, n in enumerate(self.reward_names)},
             alpha={n: float(a) for n, a in zip(self.reward_names, alpha_now)},
             seconds=seconds, loss=loss_total + nft.kl_coef * kl_total, kl=kl_total, grad_norm=grad_norm,
-            phase="full" if full else ("diagnostic" if "diagnostic" in kinds else "amortized"),
+            phase="harmonized" if harmonize else ("diagnostic" if "diagnostic" in kinds else "amortized"),
             valid_counts={n: int(valid[:, k].sum()) for k, n in enumerate(self.reward_names)},
             reward_std={n: _nanstd(R[:, k]) for k, n in enumerate(self.reward_names)},
             stage=self.balancer.current_stage(step) if hasattr(self.balancer, "current_stage") else None))
@@ -410,18 +410,18 @@ class Trainer:
         return r, A, [names[k] for k in dropped]
 
     # ---- the three kinds of unit --------------------------------------------------------------------
-    def _unit_kinds(self, step: int, U: int, full: bool) -> list[str]:
+    def _unit_kinds(self, step: int, U: int, harmonize: bool) -> list[str]:
         """What each of the step's U units does (spec §5):
         - "harmonized": K backward passes on its shared forward, a min-norm solve, the harmonized update.
-          On a full step: every unit during the warm-up steps (each solve updates ᾱ, as the authors' code
-          does) and with ``refresh_scope="step"`` (one solve on their sum); otherwise the first unit only,
+          On a harmonized step: every unit during the warm-up steps (each solve updates ᾱ, as the authors' code
+          does) and with ``harmonize_scope="step"`` (one solve on their sum); otherwise the first unit only,
           the rest of the step using the fresh ᾱ;
         - "diagnostic": an amortized unit that also measures the K per-reward gradients (first unit of every
-          diagnose_every-th step that is not full);
+          diagnose_every-th step that is not harmonized);
         - "amortized": one backward of the ᾱ-combined loss."""
         bal = self.config.balance
-        if full:
-            if bal.refresh_scope == "step" or step < bal.warmup_steps:
+        if harmonize:
+            if bal.harmonize_scope == "step" or step < bal.warmup_steps:
                 return ["harmonized"] * U
             return ["harmonized"] + ["amortized"] * (U - 1)
         diagnose = bal.diagnose_every > 0 and step % bal.diagnose_every == 0
@@ -493,7 +493,7 @@ class Trainer:
 
     def _apply_harmonized(self, g: torch.Tensor, g_kl: torch.Tensor, losses: torch.Tensor, scale: float,
                           step: int) -> tuple[dict, float]:
-        """Full step (spec §4): QP on the Gram of the per-reward gradients g [K, P]; the update
+        """Harmonized step (spec §4): QP on the Gram of the per-reward gradients g [K, P]; the update
         d + ∇KL (d = Σ c_k g_k) is added to .grad with ``scale``. Returns the diagnostics and the loss.
         Under torchrun g, ∇KL and the losses are first averaged over the processes with ONE all-reduce, so
         every process solves the same QP and writes the same update (spec §9)."""
@@ -503,7 +503,7 @@ class Trainer:
         update = weights @ g + g_kl
         _add_flat_to_grad(self.params, update * scale)
         alpha_raw = torch.as_tensor(decision.alpha_raw, dtype=torch.float64, device=self.device)
-        return self._diagnostics(g, update, "full", decision, step), float(alpha_raw @ losses) * scale
+        return self._diagnostics(g, update, "harmonized", decision, step), float(alpha_raw @ losses) * scale
 
     def _train_alpha(self, step: int) -> np.ndarray:
         return np.asarray([1.0]) if self.balancer.scalarize else np.asarray(self.balancer.advantage_weights(step))

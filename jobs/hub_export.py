@@ -181,7 +181,7 @@ CARD_TEMPLATE = """---
 
 A LoRA for `{{ base_model }}` trained with multi-reward RL by MARBLE Studio —
 MARBLE (multi-aspect reward balance) on the DiffusionNFT loss: one gradient per reward, harmonized by a
-min-norm QP on the simplex, amortized between full steps, EMA-smoothed coefficients.
+min-norm QP on the simplex, amortized between harmonized steps, EMA-smoothed coefficients.
 
 - **rewards:** {{ rewards }}
 - **strategy:** `{{ strategy }}`
@@ -231,8 +231,8 @@ def key_config(config) -> list[tuple[str, str]]:
             ("sampler steps / guidance / resolution", f"{smp.num_steps} / {smp.guidance_scale:g} / {smp.resolution}"),
             ("prompt sources", ", ".join(config.prompts.sources)), ("seed", config.seed)]
     if b.strategy.startswith("marble") or b.strategy in ("upgrad", "dualproj"):
-        rows += [("refresh every N / EMA ρ", f"{b.refresh_every} / {b.ema_rho:g}"), ("normalize", b.normalize),
-                 ("refresh scope", b.refresh_scope)]
+        rows += [("refresh every N / EMA ρ", f"{b.harmonize_every} / {b.ema_rho:g}"), ("normalize", b.normalize),
+                 ("refresh scope", b.harmonize_scope)]
     return [(k, str(v)) for k, v in rows]
 
 
@@ -252,10 +252,10 @@ def build_card(store: Store, run_id: int, config, checkpoint: dict, folder: Path
                 "reward_weights": {r.name: r.weight for r in config.rewards},
                 "checkpoint_step": checkpoint["step"], "total_steps": config.steps, "seed": config.seed,
                 "lora_rank": config.model.lora_rank, "lora_alpha": config.model.lora_alpha,
-                "learning_rate": config.optim.lr, "refresh_every": config.balance.refresh_every,
+                "learning_rate": config.optim.lr, "harmonize_every": config.balance.harmonize_every,
                 "ema_rho": config.balance.ema_rho, "ema_lora": has_ema})
     evaluation = evaluation_markdown(store, run_id, run.run_dir, label)
-    alpha = (f"![α trajectory]({ALPHA_IMAGE})\n\nα* is the min-norm QP's solution on full steps, ᾱ its "
+    alpha = (f"![α trajectory]({ALPHA_IMAGE})\n\nα* is the min-norm QP's solution on harmonized steps, ᾱ its "
              f"exponential moving average (ρ = {config.balance.ema_rho:g}), and the applied α the "
              f"coefficient each step used." if (folder / ALPHA_IMAGE).is_file()
              else "No balancing coefficients were recorded for this run.")

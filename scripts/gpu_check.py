@@ -5,7 +5,7 @@
 
 What runs: the real ``core.trainer.Trainer.train_step`` — LoRA policy / old / reference predictions, the
 DiffusionNFT loss, per-reward objectives with NaN masks, the per-reward gradients (per-sample: two backward
-passes; or K backward passes) and the QP on full steps, one
+passes; or K backward passes) and the QP on harmonized steps, one
 backward on amortized steps, clipping and AdamW — on ``SD3Transformer2DModel`` built with random weights
 from configs/sd35m/transformer_config.json (2.24 B parameters) with the paper's LoRA (r=32, alpha=64 on the
 attention projections), bf16. Only the two stages whose cost does not depend on the strategy are replaced:
@@ -130,8 +130,8 @@ def make_config(strategy: str, args, device: str, model: str, scope: str = "firs
                             max_sequence_length=TINY_TOKENS[1] if args.tiny else T5_TOKENS)
     data["nft"].update(micro_batch_size=args.micro_batch, timestep_fraction=args.timestep_fraction)
     data["rewards"] = [{"name": n} for n in STAND_INS]
-    data["balance"].update(strategy=strategy, refresh_every=10, warmup_steps=1, ema_rho=0.7,
-                           refresh_scope=scope, diagnose_every=0, gradients=gradients)
+    data["balance"].update(strategy=strategy, harmonize_every=10, warmup_steps=1, ema_rho=0.7,
+                           harmonize_scope=scope, diagnose_every=0, gradients=gradients)
     data.update(steps=1000, checkpoint_every=0, sample_every=0, seed=0)
     return TrainConfig.from_dict(data)
 
@@ -154,7 +154,7 @@ def measure(strategy: str, args, device: torch.device, model: str, steps: int, s
             torch.cuda.reset_peak_memory_stats(device)
         times, full = [], []
         for step in range(1, steps + 1):
-            is_full = trainer.balancer.needs_gradients(step) and not trainer.balancer.scalarize
+            is_full = trainer.balancer.harmonizes(step) and not trainer.balancer.scalarize
             sync(device)
             t0 = time.perf_counter()
             trainer.train_step(step)
@@ -184,10 +184,10 @@ def project(results: dict, units: int, N: int = 10) -> dict:
     """Speed ratios at the paper's ``units`` per step from the measured costs.
 
     An ordinary unit (one backward of the combined objective) costs c = t_ws / U, the same for weighted
-    sum and MARBLE's amortized steps; a full step adds e = t_full - t_amortized (MARBLE's timed window:
-    one harmonized unit with K backward passes and the QP); solving on every unit (refresh_scope "step")
+    sum and MARBLE's amortized steps; a harmonized step adds e = t_full - t_amortized (MARBLE's timed window:
+    one harmonized unit with K backward passes and the QP); solving on every unit (harmonize_scope "step")
     adds e_u = (t_step_scope - t_ws) / U per unit. Then MARBLE = Uc / (Uc + e/N), marble_full =
-    Uc / (Uc + e), marble_full with refresh_scope "step" = c / (c + e_u). Rollouts and reward models,
+    Uc / (Uc + e), marble_full with harmonize_scope "step" = c / (c + e_u). Rollouts and reward models,
     identical for every strategy, would pull all three towards 1.
     """
     ws, marble = results["weighted_sum"], results["marble"]
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--marble-steps", type=int, default=10, help="timed MARBLE steps (one refresh window: N)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps of the other strategies (default 3)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--skip-step-scope", action="store_true", help="skip marble_full with refresh_scope=step")
+    parser.add_argument("--skip-step-scope", action="store_true", help="skip marble_full with harmonize_scope=step")
     args = parser.parse_args(argv)
     for name, full, tiny in (("resolution", 512, 64), ("images_per_prompt", 8, 2), ("micro_batch", 8, 6)):
         if getattr(args, name) is None:
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
                   "lora": {"rank": 32, "alpha": 64}, "dtype": "float32" if args.tiny else "bfloat16",
                   "resolution": args.resolution, "samples_per_step": args.prompts * args.images_per_prompt,
                   "micro_batch": args.micro_batch, "units_per_step": ws["units_per_step"], "K": len(STAND_INS),
-                  "rewards_stood_in_for": list(PAPER_REWARDS), "refresh_every": 10,
+                  "rewards_stood_in_for": list(PAPER_REWARDS), "harmonize_every": 10,
                   "gradient_checkpointing": args.gradient_checkpointing},
         "strategies": results,
         "ratios_vs_weighted_sum": ratios,

@@ -94,9 +94,9 @@ def main(out: Path) -> None:
     rank = dist.get_rank()
     results: dict = {"rank": rank, "world_size": dist.get_world_size()}
 
-    # 1. One harmonized step with refresh_scope "step": compared with a 1-process run by the test.
+    # 1. One harmonized step with harmonize_scope "step": compared with a 1-process run by the test.
     events: list = []
-    trainer = Trainer(small_config("marble", 1, **{"balance.refresh_scope": "step"}), out / "unused", events.append)
+    trainer = Trainer(small_config("marble", 1, **{"balance.harmonize_scope": "step"}), out / "unused", events.append)
     seen = record(trainer)
     trainer.train_step(0)
     results["step_scope"] = {**seen, "lora": lora(trainer), "events": [e.kind for e in events]}

@@ -62,7 +62,7 @@ def balance_event(step: int) -> BalanceEvent:
                                                              for i in range(k)]},
                         cos_to_update={n: 0.5 for n in REWARDS}, cos_to_mean={n: 0.25 for n in REWARDS},
                         grad_norms={n: 2.0 for n in REWARDS},
-                        valid={n: True for n in REWARDS}, solver="cvxpy-OSQP", phase="full", update_norm=1.5)
+                        valid={n: True for n in REWARDS}, solver="cvxpy-OSQP", phase="harmonized", update_norm=1.5)
 
 
 def sample_event(step: int, n: int = 2) -> SampleEvent:

@@ -23,7 +23,7 @@ def make_run(store, name: str, sample_steps: list[int], total: int = 10) -> tupl
     writer = EventWriter(store, run_id, store.run_dir(run_id))
     writer(start_event(total))
     for step in range(1, max(sample_steps) + 1):
-        writer(step_event(step, phase="full" if step == 1 else "amortized"))
+        writer(step_event(step, phase="harmonized" if step == 1 else "amortized"))
         if step == 1:
             writer(balance_event(step))
         if step in sample_steps:

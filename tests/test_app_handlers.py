@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NAMES = ["a", "b", "c"]
 
 
-def balance_row(step, cos, norms, alpha_raw, alpha_ema, cos_up, phase="full"):
+def balance_row(step, cos, norms, alpha_raw, alpha_ema, cos_up, phase="harmonized"):
     return {"step": step, "phase": phase, "alpha_raw": dict(zip(NAMES, alpha_raw)),
             "alpha_ema": dict(zip(NAMES, alpha_ema)), "cosine": {"names": NAMES, "matrix": cos},
             "grad_norms": dict(zip(NAMES, norms)), "cos_to_update": dict(zip(NAMES, cos_up)),
@@ -59,6 +59,10 @@ def test_alpha_trajectories_show_solves_ema_applied_and_uniform_line():
     ema_a = next(t for t in fig.data if t.name == "a ᾱ (EMA)")
     assert list(ema_a.y) == [0.2, 0.32]
     assert any(abs(s.y0 - 1 / 3) < 1e-12 for s in fig.layout.shapes)
+    for row in rows:  # balance rows stored before "full" and "harmonized" became one word draw the same
+        row["phase"] = "full"
+    old = plots.alpha_trajectories(rows, applied, NAMES)
+    assert [list(t.y) for t in old.data] == [list(t.y) for t in fig.data]
 
 
 def test_cosine_heatmap_marks_invalid_entries():
@@ -115,9 +119,9 @@ def test_pareto_front_excludes_dominated_runs():
 def test_form_fields_cover_the_config_and_carry_help():
     fields = {f.path: f for f in form_fields(preset("tiny"))}
     assert fields["balance.ema_rho"].kind == "float" and fields["balance.ema_rho"].default == 0.7
-    assert fields["balance.refresh_every"].kind == "int"
+    assert fields["balance.harmonize_every"].kind == "int"
     assert fields["balance.strategy"].kind == "choice" and "marble" in fields["balance.strategy"].choices
-    assert "N: full harmonization" in fields["balance.refresh_every"].help
+    assert "N: a harmonized step" in fields["balance.harmonize_every"].help
     assert fields["balance.normalize"].kind == "bool"
     # issue 15's knobs: choices for the amortized combination and the rollout sampler, the parameter EMA's decay
     assert fields["balance.amortized_combination"].choices == ("masked", "authors")
@@ -162,17 +166,17 @@ def test_replay_reconstructs_grams_and_reproduces_the_recorded_ema():
         ema = alpha if ema is None else 0.7 * ema + 0.3 * alpha
         rows.append(balance_row(step, cos.tolist(), norms.tolist(), alpha.tolist(), ema.tolist(), [0, 0, 0]))
         np.testing.assert_allclose(gram_from_row(rows[-1], NAMES), g @ g.T, atol=1e-9)
-    same = replay(rows, NAMES, ema_rho=0.7, refresh_every=10)
+    same = replay(rows, NAMES, ema_rho=0.7, harmonize_every=10)
     np.testing.assert_allclose(same.replayed, same.recorded, atol=1e-6)
-    no_ema = replay(rows, NAMES, ema_rho=0.0, refresh_every=10)
+    no_ema = replay(rows, NAMES, ema_rho=0.0, harmonize_every=10)
     np.testing.assert_allclose(no_ema.replayed[-1], [r["alpha_raw"][n] for n in NAMES for r in rows[-1:]],
                                atol=1e-6)
-    sparse = replay(rows, NAMES, ema_rho=0.7, refresh_every=20)
+    sparse = replay(rows, NAMES, ema_rho=0.7, harmonize_every=20)
     assert sparse.solves == [1, 21]
     # the release's knobs replay too: every replayed α respects the floor; a group splits its α equally
-    floored = replay(rows, NAMES, ema_rho=0.0, refresh_every=10, alpha_floor=0.2)
+    floored = replay(rows, NAMES, ema_rho=0.0, harmonize_every=10, alpha_floor=0.2)
     assert np.min(floored.replayed) >= 0.2 - 1e-9
-    grouped = replay(rows, NAMES, ema_rho=0.0, refresh_every=10, reward_groups={"ab": ["a", "b"]})
+    grouped = replay(rows, NAMES, ema_rho=0.0, harmonize_every=10, reward_groups={"ab": ["a", "b"]})
     assert all(abs(a - b) < 1e-12 for a, b, _ in grouped.replayed)
     assert not np.allclose(grouped.replayed, no_ema.replayed, atol=1e-3)
 

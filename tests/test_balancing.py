@@ -340,43 +340,54 @@ def run_schedule(b: Balancer, steps: int, G: np.ndarray) -> list[int]:
     """Steps at which the balancer asked for the K gradients (and got a balance() call)."""
     full = []
     for s in range(steps):
-        if b.needs_gradients(s):
+        if b.harmonizes(s):
             b.balance(G, s)
             full.append(s)
     return full
 
 
 def test_schedule_warmup_1_refresh_10():
-    b = marble(warmup_steps=1, refresh_every=10)
+    b = marble(warmup_steps=1, harmonize_every=10)
     np.testing.assert_allclose(b.advantage_weights(0), [1 / 3] * 3)   # uniform before any solve
     assert run_schedule(b, 25, np.eye(3)) == [0, 10, 20]
-    b = marble(warmup_steps=1, refresh_every=10)
-    assert b.needs_gradients(0)
+    b = marble(warmup_steps=1, harmonize_every=10)
+    assert b.harmonizes(0)
     b.balance(np.eye(3), 0)
-    assert not any(b.needs_gradients(s) for s in range(1, 10))
-    assert b.needs_gradients(10)
+    assert not any(b.harmonizes(s) for s in range(1, 10))
+    assert b.harmonizes(10)
 
 
 def test_schedule_longer_warmup_and_marble_full():
-    assert run_schedule(marble(warmup_steps=3, refresh_every=5), 14, np.eye(3)) == [0, 1, 2, 7, 12]
+    assert run_schedule(marble(warmup_steps=3, harmonize_every=5), 14, np.eye(3)) == [0, 1, 2, 7, 12]
     assert run_schedule(marble(strategy="marble_full"), 5, np.eye(3)) == [0, 1, 2, 3, 4]
 
 
 def test_state_dict_round_trips_through_json():
     rng = np.random.default_rng(11)
-    b = marble(warmup_steps=1, refresh_every=10, ema_rho=0.5)
+    b = marble(warmup_steps=1, harmonize_every=10, ema_rho=0.5)
     for s in (0, 10):
         b.balance(gram(rng.normal(size=(3, 4))), s)
     state = json.loads(json.dumps(b.state_dict()))
-    assert state["last_full_step"] == 10 and state["num_solves"] == 2
-    resumed = marble(warmup_steps=1, refresh_every=10, ema_rho=0.5)
+    assert state["last_harmonized_step"] == 10 and state["num_solves"] == 2
+    resumed = marble(warmup_steps=1, harmonize_every=10, ema_rho=0.5)
     resumed.load_state_dict(state)
     np.testing.assert_array_equal(resumed.advantage_weights(11), b.advantage_weights(11))
-    assert [resumed.needs_gradients(s) for s in range(11, 31)] == [b.needs_gradients(s) for s in range(11, 31)]
-    assert resumed.needs_gradients(20) and not resumed.needs_gradients(19)
+    assert [resumed.harmonizes(s) for s in range(11, 31)] == [b.harmonizes(s) for s in range(11, 31)]
+    assert resumed.harmonizes(20) and not resumed.harmonizes(19)
     fresh = marble()
     fresh.load_state_dict(json.loads(json.dumps(fresh.state_dict())))
-    assert fresh.alpha_ema is None and fresh.needs_gradients(5)
+    assert fresh.alpha_ema is None and fresh.harmonizes(5)
+
+
+def test_state_saved_before_the_rename_resumes_on_the_same_schedule():
+    b = marble(warmup_steps=1, harmonize_every=10)
+    b.balance(np.eye(3), 0)
+    state = json.loads(json.dumps(b.state_dict()))
+    state["last_full_step"] = state.pop("last_harmonized_step")  # a checkpoint written before 2026-12
+    resumed = marble(warmup_steps=1, harmonize_every=10)
+    resumed.load_state_dict(state)
+    assert resumed.last_harmonized_step == 0
+    assert [resumed.harmonizes(s) for s in range(1, 21)] == [b.harmonizes(s) for s in range(1, 21)]
 
 
 @pytest.mark.parametrize("change, message", [
@@ -384,7 +395,7 @@ def test_state_dict_round_trips_through_json():
     ({"reward_names": ["a", "b"]}, "is for rewards"),
     ({"alpha_ema": [0.5, 0.6, 0.0]}, "summing to 1"),
     ({"alpha_ema": [1.0, 0.0]}, "3 numbers"),
-    ({"last_full_step": -1}, "last_full_step"),
+    ({"last_harmonized_step": -1}, "last_harmonized_step"),
 ])
 def test_load_state_dict_rejects_mismatches(change, message):
     state = marble().state_dict()
@@ -397,7 +408,7 @@ def test_load_state_dict_rejects_mismatches(change, message):
 
 def test_equal_balancer():
     b = make_balancer("equal", NAMES3, BalanceConfig(strategy="equal"), [1.0, 1.0, 1.0])
-    assert not b.needs_gradients(0) and not b.scalarize
+    assert not b.harmonizes(0) and not b.scalarize
     np.testing.assert_allclose(b.advantage_weights(7), [1 / 3] * 3)
     decision = b.balance(np.diag([1.0, 0.0, 2.0]), 7)
     assert decision.solver == "fixed"
@@ -409,7 +420,7 @@ def test_equal_balancer():
 
 def test_weighted_sum_balancer():
     b = make_balancer("weighted_sum", NAMES3, BalanceConfig(strategy="weighted_sum"), [1.0, 3.0, 0.0])
-    assert b.scalarize and not b.needs_gradients(0)
+    assert b.scalarize and not b.harmonizes(0)
     np.testing.assert_allclose(b.advantage_weights(0), [0.25, 0.75, 0.0])
     assert b.balance(np.eye(3), 0).solver == "fixed"
     with pytest.raises(ValueError, match="at least one reward weight > 0"):
@@ -431,7 +442,7 @@ def test_sequential_stage_boundaries():
     np.testing.assert_array_equal(b.advantage_weights(2), [1.0, 0.0, 0.0])
     np.testing.assert_array_equal(b.advantage_weights(3), [0.0, 1.0, 0.0])
     np.testing.assert_array_equal(b.advantage_weights(99), [0.5, 0.0, 0.5])
-    assert not b.needs_gradients(0)
+    assert not b.harmonizes(0)
     with pytest.raises(ValueError, match="at least one stage"):
         make_balancer("sequential", NAMES3, BalanceConfig(strategy="sequential", stages=[]), None)
 
@@ -474,7 +485,7 @@ def test_balancer_input_errors():
     with pytest.raises(ValueError, match="K = 3 rewards"):
         b.balance(np.eye(2), 0)
     with pytest.raises(ValueError, match="step=-1"):
-        b.needs_gradients(-1)
+        b.harmonizes(-1)
     with pytest.raises(ValueError, match="distinct"):
         marble(names=["a", "a"])
     with pytest.raises(ValueError, match="reward_weights"):
@@ -509,7 +520,7 @@ def test_torchjd_balancers_do_not_conflict_and_follow_marble_schedule(name):
         d = decision.grad_weights @ J
         cosines = (J @ d) / np.linalg.norm(J, axis=1) / np.linalg.norm(d)
         assert cosines.min() > -1e-2                            # torchjd regularizes its projection by 1e-4
-    b = marble(strategy=name, warmup_steps=1, refresh_every=10)
+    b = marble(strategy=name, warmup_steps=1, harmonize_every=10)
     assert run_schedule(b, 25, np.eye(3)) == [0, 10, 20]
     resumed = marble(strategy=name)
     resumed.load_state_dict(json.loads(json.dumps(b.state_dict())))

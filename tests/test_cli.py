@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--set", "sampling.num_steps=4", "--set", "sampling.prompts_per_step=2", "--set",
          "sampling.images_per_prompt=4", "--set", "nft.micro_batch_size=8", "--set", "num_threads=1",
-         "--set", "balance.refresh_every=2"]
+         "--set", "balance.harmonize_every=2"]
 
 
 def run(*args, check=True):

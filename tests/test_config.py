@@ -21,7 +21,7 @@ def test_unknown_preset_lists_choices():
 @pytest.mark.parametrize("key,value,pattern", [
     ("balance.strategy", "magic", r"balance.strategy='magic': valid choices: .*marble.*weighted_sum"),
     ("balance.ema_rho", 1.5, r"balance.ema_rho=1.5: must be a number in \[0, 1\)"),
-    ("balance.refresh_every", 0, r"balance.refresh_every=0: must be an integer >= 1"),
+    ("balance.harmonize_every", 0, r"balance.harmonize_every=0: must be an integer >= 1"),
     ("advantage.std_mode", "local", r"advantage.std_mode='local': valid choices: global, group"),
     ("sampling.images_per_prompt", 1, r"images_per_prompt=1: must be an integer in \[2, 256\]"),
     ("sampling.resolution", 50, r"sampling.resolution=50: must be a multiple of 16"),
@@ -77,6 +77,20 @@ def test_overrides_parse_json_values_and_keep_strings():
         preset("tiny").with_overrides(["steps"])
 
 
+def test_configs_stored_before_the_rename_load_under_the_new_names():
+    data = preset("mini-marble").to_dict()
+    data["balance"]["refresh_every"] = data["balance"].pop("harmonize_every") + 3  # a run stored before 2026-12
+    data["balance"]["refresh_scope"] = "step"
+    data["balance"].pop("harmonize_scope")
+    cfg = TrainConfig.from_dict(data)
+    assert cfg.balance.harmonize_every == 13 and cfg.balance.harmonize_scope == "step"
+    assert "refresh_every" not in json.dumps(cfg.to_dict())
+    assert preset("mini-marble").with_overrides(["balance.refresh_every=4"]).balance.harmonize_every == 4
+    data["balance"]["harmonize_every"] = 5
+    with pytest.raises(ConfigError, match=r"balance\.refresh_every.*old name of harmonize_every"):
+        TrainConfig.from_dict(data)
+
+
 def test_invalid_json_is_a_config_error():
     with pytest.raises(ConfigError, match="is not valid JSON"):
         TrainConfig.from_json("{steps: 3")
@@ -93,5 +107,5 @@ def test_sd35_preset_carries_the_papers_hyperparameters():
     assert (cfg.model.lora_rank, cfg.model.lora_alpha) == (32, 64.0)
     assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.grad_clip) == (3e-4, 1e-4, 1.0)
     assert (cfg.nft.nft_beta, cfg.nft.adv_clip_max, cfg.nft.kl_coef) == (0.1, 5.0, 1e-4)
-    assert (cfg.balance.refresh_every, cfg.balance.ema_rho) == (10, 0.7)
+    assert (cfg.balance.harmonize_every, cfg.balance.ema_rho) == (10, 0.7)
     assert (cfg.sampling.num_steps, cfg.sampling.resolution, cfg.sampling.images_per_prompt) == (25, 512, 24)

@@ -149,7 +149,7 @@ def _flat_lora(state: dict) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_process_on_the_same_global_batch(worker, tmp_path):
-    # refresh_scope "step": every unit of the step is harmonized and the QP is solved once on the mean of all
+    # harmonize_scope "step": every unit of the step is harmonized and the QP is solved once on the mean of all
     # units' per-reward gradients, so a 2-rank step is exactly a 1-rank step. (With "first_microbatch" each
     # rank harmonizes its own first unit: the QP then sees 2 micro-batches instead of 1, by design.)
     from core.trainer import Trainer
@@ -157,7 +157,7 @@ def test_two_ranks_equal_one_process_on_the_same_global_batch(worker, tmp_path):
 
     # The ranks take their per-reward gradients from per-sample gradients (the default, two backward passes);
     # the reference takes them from K backward passes: the same step either way.
-    single = Trainer(small_config("marble", 1, **{"balance.refresh_scope": "step", "balance.gradients": "per_reward"}),
+    single = Trainer(small_config("marble", 1, **{"balance.harmonize_scope": "step", "balance.gradients": "per_reward"}),
                      tmp_path)
     assert single.gradient_path == "per_reward"
     seen = record(single)

@@ -17,7 +17,7 @@ def test_a_two_process_job_trains_to_success_through_the_worker(tmp_path):
     store = Store.open(tmp_path)
     from jobs.runner import submit
 
-    cfg = small_config("marble", steps=2, checkpoint_every=1, **{"balance.refresh_every": 2})
+    cfg = small_config("marble", steps=2, checkpoint_every=1, **{"balance.harmonize_every": 2})
     run_id = submit(store, cfg, name="ddp", num_processes=2)
     proc = subprocess.run([sys.executable, "-m", "jobs", "--home", str(tmp_path), "worker", "--once"],
                           env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=600)

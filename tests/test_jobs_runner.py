@@ -96,7 +96,7 @@ def test_immediate_mode_trains_inline_and_stores_every_kind_of_row(inline_store)
     assert run.config == cfg.to_dict() and run.code_version and run.device == "cpu"
     assert _ids(store.steps(run_id)) == [1, 2, 3]
     assert len(store.metrics(run_id).rows) == 3 * KEYS_PER_STEP
-    assert [b["step"] for b in store.balance(run_id)] == [1] and store.balance(run_id)[0]["phase"] == "full"
+    assert [b["step"] for b in store.balance(run_id)] == [1] and store.balance(run_id)[0]["phase"] == "harmonized"
     assert store.sample_steps(run_id) == [1, 2]
     sample = store.samples(run_id, step=2)[0]
     assert os.path.isfile(sample["image"]) and set(sample["rewards"]) == set(cfg.reward_names)
@@ -120,7 +120,7 @@ def test_immediate_mode_trains_inline_and_stores_every_kind_of_row(inline_store)
     csv = pd.read_csv(export_metrics(store, run_id, "csv"))
     parquet = pd.read_parquet(export_metrics(store, run_id, "parquet"))
     assert list(csv["step"]) == [1, 2, 3, 4] and list(parquet["step"]) == [1, 2, 3, 4]
-    assert list(csv["phase"])[0] == "full" and "reward/colorfulness" in csv.columns
+    assert list(csv["phase"])[0] == "harmonized" and "reward/colorfulness" in csv.columns
     assert parquet["loss"].tolist() == pytest.approx(csv["loss"].tolist())
 
 
@@ -129,7 +129,7 @@ def test_immediate_mode_trains_inline_and_stores_every_kind_of_row(inline_store)
 def test_worker_runs_jobs_in_their_own_processes_and_a_failing_job_touches_nothing_else(env, tmp_path):
     store = env.store
     cfg_file = tmp_path / "config.json"
-    small_config("marble", steps=4, checkpoint_every=2, sample_every=2, **{"balance.refresh_every": 3}).save(cfg_file)
+    small_config("marble", steps=4, checkpoint_every=2, sample_every=2, **{"balance.harmonize_every": 3}).save(cfg_file)
     out = jobs_cli(env.home, "submit", "--config", str(cfg_file), "--name", "good")
     assert out.returncode == 0, out.stderr
     good = int(out.stdout.strip().splitlines()[-1])
@@ -280,7 +280,7 @@ def test_kill_9_marks_interrupted_and_resume_continues_from_the_checkpoint(env):
     rho = 0.7
     total = 9  # full steps at 1, 4, 7 (N=3): one after any checkpoint (2, 4, 6, 8) the kill can follow
     cfg = small_config("marble", steps=total, checkpoint_every=2, sample_every=3,
-                       **{"balance.refresh_every": 3, "balance.ema_rho": rho})
+                       **{"balance.harmonize_every": 3, "balance.ema_rho": rho})
     run_id = submit(store, cfg)
     # The kill must land while step rows after a checkpoint are in the database and the next checkpoint is
     # not: from the flush of step c+1 (the next heartbeat) to checkpoint c+2, about one step. A fast
@@ -330,7 +330,7 @@ def test_kill_9_marks_interrupted_and_resume_continues_from_the_checkpoint(env):
     alpha_at = {row[1].split("/", 1)[1]: row[2] for row in rows if row[0] == c + 1 and row[1].startswith("alpha/")}
     if steps[c]["phase"] == "amortized":
         assert alpha_at == pytest.approx(saved_alpha, abs=1e-9)
-    first_full = next(b for b in store.balance(run_id) if b["step"] > c and b["phase"] == "full")
+    first_full = next(b for b in store.balance(run_id) if b["step"] > c and b["phase"] == "harmonized")
     expected = {n: rho * saved_alpha[n] + (1 - rho) * first_full["alpha_raw"][n] for n in names}
     assert first_full["alpha_ema"] == pytest.approx(expected, abs=1e-9)
 

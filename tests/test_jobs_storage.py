@@ -64,7 +64,7 @@ def test_writer_buffers_events_and_the_reads_are_incremental(store):
     writer(start_event(30))  # flushed at once: the run learns its device
     assert store.get_run(run_id).device == "cpu"
     for step in range(1, 21):
-        writer(step_event(step, "full" if step % 10 == 1 else "amortized"))
+        writer(step_event(step, "harmonized" if step % 10 == 1 else "amortized"))
         if step % 10 == 1:
             writer(balance_event(step))
     writer(sample_event(20, n=4))
@@ -88,7 +88,7 @@ def test_writer_buffers_events_and_the_reads_are_incremental(store):
     assert only.rows == [(23, "loss", 1 / 23), (24, "loss", 1 / 24), (25, "loss", 1 / 25)]
     assert store.metric_keys(run_id) == sorted(by_key)
 
-    assert [r["phase"] for r in store.steps(run_id, since_step=10)][:2] == ["full", "amortized"]
+    assert [r["phase"] for r in store.steps(run_id, since_step=10)][:2] == ["harmonized", "amortized"]
     rows = store.balance(run_id)
     assert [r["step"] for r in rows] == [1, 11] and [r["step"] for r in store.balance(run_id, since_step=1)] == [11]
     b = rows[0]
@@ -151,7 +151,7 @@ def test_truncate_after_deletes_later_rows_of_that_run_only(store):
     for run_id in (a, b):
         writer = EventWriter(store, run_id, store.run_dir(run_id))
         for step in range(1, 9):
-            writer(step_event(step, "full"))
+            writer(step_event(step, "harmonized"))
             writer(balance_event(step))
             writer(sample_event(step))
         writer(checkpoint_event(4, store.run_dir(run_id)))
@@ -271,7 +271,7 @@ def test_delete_run_removes_a_finished_run_with_its_rows_and_folder_only(store):
     keep, gone = _running(store), _running(store)
     for run_id in (keep, gone):
         writer = EventWriter(store, run_id, store.run_dir(run_id))
-        writer(step_event(1, "full"))
+        writer(step_event(1, "harmonized"))
         writer(balance_event(1))
         writer(sample_event(1))
         writer(checkpoint_event(1, store.run_dir(run_id)))

@@ -200,7 +200,7 @@ def _one_step(tmp_path, gradients: str, strategy: str, **sets):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy,sets", [
-    ("marble_full", {"balance.refresh_scope": "step"}),  # every unit harmonized, one solve on their sum
+    ("marble_full", {"balance.harmonize_scope": "step"}),  # every unit harmonized, one solve on their sum
     ("marble", {}),  # the first unit harmonized, the rest amortized with the fresh ᾱ
     ("weighted_sum", {}),  # a diagnostic unit: per-reward gradients measured against the strategy's update
 ])

@@ -147,7 +147,7 @@ def test_a_training_step_on_the_sd35_layout_with_nft_prompt_folders(tiny_sd35_di
     assert trainer.policy.transformer.gradient_checkpointing  # the flag reaches the transformer
     trainer.train_step(0)
     step = [e for e in events if e.kind == "step"][0]
-    assert math.isfinite(step.loss) and step.grad_norm > 0 and step.phase == "full"
+    assert math.isfinite(step.loss) and step.grad_norm > 0 and step.phase == "harmonized"
 
 
 # ---- gradient checkpointing changes memory, not gradients -------------------------------------------------------
@@ -188,7 +188,7 @@ def test_sd35m_paper_preset_has_the_papers_recipe_scaled_to_the_gpus():
     o = cfg.optim
     assert (o.lr, o.beta1, o.beta2, o.weight_decay, o.grad_clip) == (3e-4, 0.9, 0.999, 1e-4, 1.0)
     b = cfg.balance
-    assert (b.strategy, b.refresh_every, b.ema_rho) == ("marble", 10, 0.7)
+    assert (b.strategy, b.harmonize_every, b.ema_rho) == ("marble", 10, 0.7)
     one = preset("sd35m-paper-1gpu")
     assert (one.sampling.prompts_per_step, one.sampling.images_per_prompt) == (3, 24)
     assert sd35m_paper(8).sampling.prompts_per_step == 24

@@ -56,7 +56,7 @@ def _balance(step, cos):
     return BalanceEvent(step=step, alpha_raw={r: 0.5 for r in REWARDS}, alpha_ema={r: 0.4 for r in REWARDS},
                         cosine={"names": REWARDS, "matrix": [[1, 0.2, -0.1], [0.2, 1, 0.3], [-0.1, 0.3, 1]]},
                         cos_to_update={r: cos for r in REWARDS}, grad_norms={r: 2.0 for r in REWARDS},
-                        valid={r: True for r in REWARDS}, solver="x", phase="full", update_norm=1.5)
+                        valid={r: True for r in REWARDS}, solver="x", phase="harmonized", update_norm=1.5)
 
 
 class Gate:

@@ -27,7 +27,7 @@ def _collect():
 
 def test_three_marble_steps_train_and_emit_step_and_balance_events(tmp_path):
     events, on_event = _collect()
-    trainer = Trainer(small_config("marble", steps=3, **{"balance.refresh_every": 2, "nft.kl_coef": 0.0}),
+    trainer = Trainer(small_config("marble", steps=3, **{"balance.harmonize_every": 2, "nft.kl_coef": 0.0}),
                       tmp_path, on_event)
     before = _lora(trainer)
     result = trainer.run()
@@ -39,8 +39,8 @@ def test_three_marble_steps_train_and_emit_step_and_balance_events(tmp_path):
     steps = [e for e in events if e.kind == "step"]
     balances = [e for e in events if e.kind == "balance"]
     assert [e.step for e in steps] == [1, 2, 3]
-    assert [e.phase for e in steps] == ["full", "amortized", "full"]  # warm-up, then every N=2
-    assert [b.step for b in balances] == [1, 3] and all(b.phase == "full" for b in balances)
+    assert [e.phase for e in steps] == ["harmonized", "amortized", "harmonized"]  # warm-up, then every N=2
+    assert [b.step for b in balances] == [1, 3] and all(b.phase == "harmonized" for b in balances)
     names = trainer.reward_names
     for b in balances:
         alpha = np.array([b.alpha_raw[n] for n in names])
@@ -60,7 +60,7 @@ def test_three_marble_steps_train_and_emit_step_and_balance_events(tmp_path):
 
 
 def test_resume_after_step_two_reproduces_an_uninterrupted_four_step_run(tmp_path):
-    cfg = small_config("marble", steps=4, **{"balance.refresh_every": 3, "checkpoint_every": 2})
+    cfg = small_config("marble", steps=4, **{"balance.harmonize_every": 3, "checkpoint_every": 2})
     full_events, on_full = _collect()
     straight = Trainer(cfg, tmp_path / "straight", on_full)
     straight.run()
@@ -75,11 +75,11 @@ def test_resume_after_step_two_reproduces_an_uninterrupted_four_step_run(tmp_pat
     assert all(torch.allclose(a[n], b[n], atol=1e-7, rtol=0) for n in a)
     assert all(torch.allclose(straight.policy.old[n], resumed.policy.old[n], atol=1e-7, rtol=0) for n in a)
     sa, sb = straight.balancer.state_dict(), resumed.balancer.state_dict()
-    assert np.allclose(sa["alpha_ema"], sb["alpha_ema"]) and sa["last_full_step"] == sb["last_full_step"]
+    assert np.allclose(sa["alpha_ema"], sb["alpha_ema"]) and sa["last_harmonized_step"] == sb["last_harmonized_step"]
     later = lambda evs: [e for e in evs if e.kind == "step" and e.step > 2]
     for x, y in zip(later(full_events), later(resumed_events), strict=True):
         assert x.step == y.step and x.rewards == pytest.approx(y.rewards, abs=1e-6)
-    assert [e.phase for e in resumed_events if e.kind == "step"] == ["amortized", "full"]
+    assert [e.phase for e in resumed_events if e.kind == "step"] == ["amortized", "harmonized"]
 
 
 def test_resume_refuses_a_changed_config(tmp_path):
@@ -133,7 +133,7 @@ def test_every_strategy_trains_and_can_be_diagnosed(tmp_path, strategy):
     steps = [e for e in events if e.kind == "step"]
     balances = [e for e in events if e.kind == "balance"]
     assert len(steps) == 2 and len(balances) == 2  # diagnostics every step (M=1)
-    expected_phase = "full" if strategy == "marble_full" else "diagnostic"
+    expected_phase = "harmonized" if strategy == "marble_full" else "diagnostic"
     assert all(b.phase == expected_phase for b in balances)
     for b in balances:
         assert set(b.cos_to_update) == set(trainer.reward_names)
@@ -145,12 +145,12 @@ def test_every_strategy_trains_and_can_be_diagnosed(tmp_path, strategy):
         assert steps[1].alpha["colorfulness"] == 0.0 and steps[1].alpha["brightness"] == pytest.approx(0.5)
 
 
-def test_refresh_scope_step_solves_once_on_the_whole_step(tmp_path):
+def test_harmonize_scope_step_solves_once_on_the_whole_step(tmp_path):
     events, on_event = _collect()
-    train(small_config("marble", steps=1, **{"balance.refresh_scope": "step", "nft.kl_coef": 0.0}),
+    train(small_config("marble", steps=1, **{"balance.harmonize_scope": "step", "nft.kl_coef": 0.0}),
           tmp_path, on_event)
     (b,) = [e for e in events if e.kind == "balance"]
-    assert b.phase == "full" and all(v >= -1e-6 for v in b.cos_to_update.values() if v is not None)
+    assert b.phase == "harmonized" and all(v >= -1e-6 for v in b.cos_to_update.values() if v is not None)
 
 
 def test_stop_flag_ends_the_run_with_a_checkpoint(tmp_path):
@@ -193,7 +193,7 @@ def test_samples_are_saved_with_per_image_scores(tmp_path):
 def test_a_warm_up_step_harmonizes_every_unit_each_solve_updating_the_ema(tmp_path):
     # B = 8 in micro-batches of 4, 3 training timesteps per sample (int(0.99 · 4)): 6 units per step
     events, on_event = _collect()
-    trainer = Trainer(small_config("marble", steps=2, **{"balance.warmup_steps": 1, "balance.refresh_every": 10}),
+    trainer = Trainer(small_config("marble", steps=2, **{"balance.warmup_steps": 1, "balance.harmonize_every": 10}),
                       tmp_path, on_event)
     solves = []
     balance = trainer.balancer.balance
@@ -206,7 +206,7 @@ def test_a_warm_up_step_harmonizes_every_unit_each_solve_updating_the_ema(tmp_pa
 
 
 def test_after_the_warm_up_a_full_step_harmonizes_its_first_unit_only(tmp_path):
-    trainer = Trainer(small_config("marble", steps=3, **{"balance.warmup_steps": 1, "balance.refresh_every": 2}),
+    trainer = Trainer(small_config("marble", steps=3, **{"balance.warmup_steps": 1, "balance.harmonize_every": 2}),
                       tmp_path)
     solves = []
     balance = trainer.balancer.balance

@@ -24,12 +24,12 @@ def _json_object(label: str, text: str | None) -> dict:
     return value
 
 
-def render(run_id, rho: float, refresh_every: float | None, normalize: bool, alpha_floor: float | None = 0.0,
+def render(run_id, rho: float, harmonize_every: float | None, normalize: bool, alpha_floor: float | None = 0.0,
            groups: str | None = "{}", weights: str | None = "{}"):
     if run_id is None:
         return plots.empty_figure("Replay", EMPTY), ""
-    if refresh_every is None or refresh_every != int(refresh_every):
-        msg = f"N={refresh_every}: write a whole number of steps ≥ 1"
+    if harmonize_every is None or harmonize_every != int(harmonize_every):
+        msg = f"N={harmonize_every}: write a whole number of steps ≥ 1"
         return plots.empty_figure("Replay", msg), f"`{msg}`"
     try:
         knobs = (float(alpha_floor or 0.0), _json_object("reward groups", groups),
@@ -43,10 +43,10 @@ def render(run_id, rho: float, refresh_every: float | None, normalize: bool, alp
     names = [r["name"] for r in run.config["rewards"]]
     rows = context.store().balance(int(run_id))
     try:
-        res = replay(rows, names, float(rho), int(refresh_every), bool(normalize), *knobs)
+        res = replay(rows, names, float(rho), int(harmonize_every), bool(normalize), *knobs)
     except ValueError as e:
         return plots.empty_figure("Replay", str(e)), f"`{e}`"
-    label = f"ρ={rho:g}, N={int(refresh_every)}, {'normalized' if normalize else 'raw'}"
+    label = f"ρ={rho:g}, N={int(harmonize_every)}, {'normalized' if normalize else 'raw'}"
     label += f", floor {alpha_floor:g}" if alpha_floor else ""
     label += ", grouped" if knobs[1] else ""
     fig = plots.replay_figure(res.steps, res.recorded, res.replayed, names, label)
