@@ -12,7 +12,7 @@ from core.rewards import image_stats  # noqa: F401,E402  (registers the weight-f
 # model-based rewards (weights from a local path or the HF cache) and the HTTP reward
 from core.rewards import clip_rewards, geneval, imagereward, remote  # noqa: F401,E402
 # the built-in mini world's analytic rewards and the offline OCR reward (rapidocr, imported lazily)
-from core.rewards import ocr, world  # noqa: F401,E402
+from core.rewards import ocr, world, world_quality  # noqa: F401,E402
 
 EXTERNAL_REWARDS = ("aesthetic", "clipscore", "geneval", "hpsv2", "imagereward", "pickscore", "remote")
 """Rewards that need model weights (local path / HF cache) or a server: they cannot be built offline from

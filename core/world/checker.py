@@ -79,16 +79,27 @@ def shape_probs(mask: np.ndarray) -> dict[str, float]:
     return dict(zip(SHAPES, _softmax(logits).tolist()))
 
 
+def background_distance(image: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(image as float RGB 0-255 [H, W, 3], background RGB [3] = median of the border pixels, each pixel's RGB
+    distance to it [H, W]) for uint8 or [0, 1] float input."""
+    img = np.asarray(image, dtype=np.float64)
+    if img.max() <= 1.0 + 1e-6 and np.asarray(image).dtype != np.uint8:
+        img = img * 255.0
+    border = np.concatenate([img[0], img[-1], img[:, 0], img[:, -1]])
+    background = np.median(border, axis=0)
+    return img, background, np.sqrt(((img - background) ** 2).sum(-1))
+
+
+def palette_distance(img: np.ndarray) -> np.ndarray:
+    """Each pixel's RGB distance (0-255 scale) to the nearest palette colour: [H, W]."""
+    return np.sqrt(((img[:, :, None, :] - _PALETTE) ** 2).sum(-1)).min(-1)
+
+
 def detect(image: np.ndarray) -> list[Detection]:
     """Objects in one image: uint8 [H, W, 3] or float [H, W, 3] in [0, 1]. Sorted by area, largest first."""
     from scipy import ndimage
 
-    img = np.asarray(image, dtype=np.float64)
-    if img.max() <= 1.0 + 1e-6 and image.dtype != np.uint8:
-        img = img * 255.0
-    border = np.concatenate([img[0], img[-1], img[:, 0], img[:, -1]])
-    background = np.median(border, axis=0)
-    dist = np.sqrt(((img - background) ** 2).sum(-1))
+    img, _, dist = background_distance(image)
     fg = dist > FG_THRESHOLD
     labels, n = ndimage.label(fg, structure=np.ones((3, 3)))
     found = []
