@@ -18,7 +18,8 @@ from core.world.prompts import SOURCES
 from core.world.scenes import (COLORS, NUMBERS, PALETTE, RELATIONS, SHAPES, all_specs, caption, random_spec, render,
                                to_tensor, vocabulary)
 
-SPECIALISTS = {"color_fidelity": "world-color", "count_accuracy": "world-count", "spatial_relation": "world-position"}
+SPECIALISTS = {"color_fidelity": "world-color", "count_accuracy": "world-count", "spatial_relation": "world-position",
+               "single_object": "world-general"}
 
 
 # ---- generator ------------------------------------------------------------------------------------
@@ -113,7 +114,10 @@ def test_checker_reads_every_palette_colour_and_shape():
 def _wrong(spec: dict, rng: np.random.Generator) -> dict:
     """A spec whose render is a wrong image for ``spec``'s prompt, on the aspect its reward checks."""
     w = copy.deepcopy(spec)
-    if spec["task"] == "color":  # different colours for both objects
+    if spec["task"] == "single":  # another colour, and the other size when one is asked
+        w["objects"][0]["color"] = str(rng.choice([c for c in COLORS if c != spec["objects"][0]["color"]]))
+        w["size"] = {"small": "large", "large": "small"}.get(spec.get("size"))
+    elif spec["task"] == "color":  # different colours for both objects
         used = {o["color"] for o in spec["objects"]}
         others = [c for c in COLORS if c not in used]
         for o, c in zip(w["objects"], rng.choice(others, size=2, replace=False)):
@@ -208,15 +212,16 @@ def test_every_specialist_penalizes_stray_objects_of_another_colour(reward_name)
     red, blue = {"color": "red", "shape": "circle"}, {"color": "blue", "shape": "square"}
     spec = {"color": {"task": "color", "objects": [red, blue]},
             "count": {"task": "count", "objects": [red], "count": 2},
-            "position": {"task": "position", "objects": [red, blue], "relation": "left of"}}[
-        SPECIALISTS[reward_name].split("-")[1]]
+            "position": {"task": "position", "objects": [red, blue], "relation": "left of"},
+            "general": {"task": "single", "objects": [red], "size": None}}[SPECIALISTS[reward_name].split("-")[1]]
     second = spec["objects"][-1]  # count asks for two of the same object
-    asked = [Placed("red", "circle", 14, 20, 12), Placed(second["color"], second["shape"], 48, 20, 12)]
+    asked = [Placed("red", "circle", 14, 20, 16), Placed(second["color"], second["shape"], 48, 20, 16)]
+    asked = asked[:1] if spec["task"] == "single" else asked
     strays = [Placed("yellow", "triangle", 16, 50, 12), Placed("green", "triangle", 48, 50, 12)]
     reward = make_reward(reward_name)
     meta = dict(spec, source=SPECIALISTS[reward_name])
     images = [draw(asked + strays[:n], (20, 20, 30)) for n in range(3)]
-    assert [len(detect(img)) for img in images] == [2, 3, 4]  # the strays are really there
+    assert [len(detect(img)) for img in images] == [len(asked) + n for n in range(3)]  # the strays are really there
     values = reward(to_tensor(np.stack(images)), ["x"] * 3, [meta] * 3).tolist()
     assert values[0] > 0.75 and values[1] < 0.5 * values[0] and values[2] < 0.5 * values[1]
 
@@ -254,3 +259,17 @@ def test_mini_presets_come_first_and_differ_only_in_the_balancing_strategy():
     stages = configs[3]["balance"]["stages"]
     assert sum(s["steps"] for s in stages) == configs[0]["steps"]
     assert {r for s in stages for r in s["rewards"]} == {r["name"] for r in configs[0]["rewards"]}
+
+
+def test_single_object_reward_grades_the_size_asked():
+    reward = make_reward("single_object")
+    obj = {"color": "orange", "shape": "triangle"}
+    values = {}
+    for asked in ("small", "large", None):
+        spec = {"task": "single", "objects": [obj], "size": asked, "source": "world-general"}
+        for drawn in ("small", "large"):
+            img = render({"task": "single", "objects": [obj], "size": drawn}, 3)
+            values[asked, drawn] = float(reward(to_tensor(img[None]), ["x"], [spec])[0])
+    assert values["small", "small"] > 0.8 and values["large", "large"] > 0.8
+    assert values["small", "large"] < 0.2 and values["large", "small"] < 0.2
+    assert values[None, "small"] > 0.8 and values[None, "large"] > 0.8  # no size named, no size judged

@@ -7,6 +7,7 @@ carry no advantage signal (ENV_NOTES):
     color_fidelity    world-color prompts     each requested (colour, shape) object present
     count_accuracy    world-count prompts     soft count of objects of the colour vs the number asked
     spatial_relation  world-position prompts  both objects present and the relation between them
+    single_object     world-general prompts   the requested object present and alone, of the size asked
     (each specialist also multiplies by exp(-objects beyond those asked): the prompt asks for exactly
     its objects, and otherwise a general reward can be raised with clutter the specialists never see)
     world_geneval     every world prompt      strict pass/fail of the whole prompt (for evaluation)
@@ -67,6 +68,12 @@ def count_accuracy() -> Reward:
                                      "and their relation, graded by the centre margin (0-1; NaN on other prompts)")
 def spatial_relation() -> Reward:
     return WorldReward(("position",))
+
+
+@register_reward("single_object", "Mini world, single-object prompts only: the requested colour-and-shape object, "
+                                  "alone, of the requested size if one is named (graded, 0-1; NaN on other prompts)")
+def single_object() -> Reward:
+    return WorldReward(("single",))
 
 
 @register_reward("world_geneval", "Mini world, every world prompt: strict pass/fail of the whole prompt "

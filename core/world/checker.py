@@ -200,9 +200,30 @@ def relation_holds(spec: dict, dets: list[Detection]) -> bool | None:
     return relation_margin(spec["relation"], (first.cx, first.cy), (second.cx, second.cy)) > 0
 
 
+SHAPE_FILL = {"circle": math.pi / 4, "square": 1.0, "triangle": 0.5}
+"""Share of its extent² an object of each shape covers (the renderer's shapes), to turn area into extent."""
+
+
+def size_credit(spec: dict, det: Detection | None) -> float:
+    """1 when the object's extent (√(area / fill of the requested shape)) lies in the range the world draws for the
+    requested size (``SIZE_RANGE``), falling as exp(-4·|log(extent / nearest bound)|) outside it (half-credit
+    ~16% off); 1 when the prompt names no size, 0 when there is no object."""
+    from core.world.scenes import SIZE_RANGE
+
+    if det is None:
+        return 0.0
+    if not spec.get("size"):
+        return 1.0
+    lo, hi = SIZE_RANGE[spec["size"]]
+    extent = math.sqrt(det.area / SHAPE_FILL[spec["objects"][0]["shape"]])
+    off = math.log(lo / extent) if extent < lo else (math.log(extent / hi) if extent > hi else 0.0)
+    return math.exp(-4.0 * off)
+
+
 def single_score(spec: dict, dets: list[Detection]) -> float:
-    """A single object: the requested one present and alone."""
-    return color_score(spec, dets)
+    """A single object: the requested one present, alone, and of the requested size when one is named."""
+    scores, picked = best_assignment(dets, spec["objects"])
+    return float(scores[0]) * size_credit(spec, picked[0]) * extra_penalty(len(dets) - 1)
 
 
 GRADERS = {"single": single_score, "color": color_score, "count": count_score, "position": position_score}
