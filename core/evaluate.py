@@ -12,8 +12,9 @@ DIR/eval_<split>.json and .md).
 ``--study``: evaluates every run against one shared base evaluation and writes study.md/study.json
 with the Table-1 style comparison — per-reward means and the composite, the sum over rewards of the
 improvement over the base model in units of the base model's std (spec §8) — plus PNG figures made
-from each run's events.jsonl: α over steps, and the worst reward's gradient cosine with the applied
-update (spec §4's headline diagnostic).
+from each run's events.jsonl, drawn with matplotlib (core/figures.py): α over steps, the worst reward's
+gradient cosine with the applied update (spec §4's headline diagnostic) and, when a strategy has several
+runs (seeds), every run's improvement.
 """
 
 from __future__ import annotations
@@ -25,8 +26,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 EVAL_SEED = 1_000_003  # evaluation seeds are fixed and distinct from any training draw
 SKIP_REWARDS = ("remote",)
@@ -312,20 +317,28 @@ def _mean_series(series: list[list[tuple[float, float]]]) -> list[tuple[float, f
 
 
 def write_figures(runs: list[Path], results: list[dict], out: Path) -> list[Path]:
-    """alpha.png and worst_cosine.png from the runs' events.jsonl. When a strategy has several runs (seeds),
-    its runs are drawn as one panel / one line — their mean at each step — and seeds.png shows every run's
-    Δ/std per training reward, one column per strategy, so a seed study stays readable."""
-    from core.figures import line_panels, strip_panels
+    """Save :func:`study_figures` as PNG files in ``out``; returns their paths in order."""
+    from core.figures import save_png
+
+    return [save_png(fig, out / name) for name, fig in study_figures(runs, results).items()]
+
+
+def study_figures(runs: list[Path], results: list[dict]) -> dict[str, Figure]:
+    """The study's matplotlib figures by file name: alpha.png and worst_cosine.png from the runs'
+    events.jsonl. When a strategy has several runs (seeds), its runs are drawn as one panel / one line —
+    their mean at each step — and seeds.png shows every run's Δ/std per training reward, one column per
+    strategy (bar = mean ± standard error), so a seed study stays readable."""
+    from core.figures import line_figure, literal, strip_figure
 
     groups: dict[str, list[tuple[Path, dict]]] = {}
     for r, res in zip(runs, results):
         groups.setdefault(res["strategy"], []).append((r, res))
     seeded = any(len(g) > 1 for g in groups.values())
     if seeded:  # (panel title, line label, runs)
-        units = [(f"{s} (mean of {len(g)} runs)" if len(g) > 1 else f"{g[0][0].name} ({s})",
+        units = [(f"{s} (mean of {len(g)} runs)" if len(g) > 1 else f"{literal(g[0][0].name)} ({s})",
                   f"{s} (mean of {len(g)})" if len(g) > 1 else g[0][0].name, g) for s, g in groups.items()]
-    else:
-        units = [(f"{r.name} ({res['strategy']})", r.name, [(r, res)]) for r, res in zip(runs, results)]
+    else:  # panel titles are matplotlib markup, a run's folder name is not; line labels are escaped by line_figure
+        units = [(f"{literal(r.name)} ({res['strategy']})", r.name, [(r, res)]) for r, res in zip(runs, results)]
     alpha_panels, cos_series = [], {}
     for title, label, members in units:
         alphas: dict[str, list[list[tuple[float, float]]]] = {}
@@ -342,24 +355,26 @@ def write_figures(runs: list[Path], results: list[dict], out: Path) -> list[Path
             cosines.append(worst_cosines(events))
         alpha_panels.append((title, {n: _mean_series(s) for n, s in alphas.items()}))
         cos_series[label] = _mean_series(cosines)
-    paths = [line_panels(alpha_panels, out / "alpha.png", ylabel="alpha_k", y_range=(0.0, 1.0),
-                         title="Reward coefficients alpha_k applied at each step (the EMA-smoothed QP weights "
-                               "for MARBLE)" + ("; strategies with several runs: their mean" if seeded else "")),
-             line_panels([("worst reward: min over k of cos(g_k, update)" + (", mean over a strategy's runs"
-                                                                              if seeded else ""), cos_series)],
-                         out / "worst_cosine.png", ylabel="cosine", y_range=(-1.0, 1.0), hline=0.0, columns=1,
-                         panel_size=(760, 360),
-                         title="Worst per-reward gradient cosine with the applied update (diagnosed steps)")]
+    figures = {
+        "alpha.png": line_figure(
+            alpha_panels, ylabel=r"$\alpha_k$", y_range=(0.0, 1.0),
+            title=r"Reward coefficients $\alpha_k$ applied at each step (the EMA-smoothed QP weights for MARBLE)"
+                  + ("; strategies with several runs: their mean" if seeded else "")),
+        "worst_cosine.png": line_figure(
+            [(r"worst reward: $\min_k \cos(g_k, \mathrm{update})$"
+              + (", mean over a strategy's runs" if seeded else ""), cos_series)],
+            ylabel="cosine", y_range=(-1.0, 1.0), hline=0.0, columns=1, panel_size=(7.6, 3.6),
+            title="Worst per-reward gradient cosine with the applied update (diagnosed steps)")}
     if seeded:
         train = list(dict.fromkeys(n for res in results for n in res["train_rewards"]))
         panels = [(f"{n} (trained on)", {s: [res["rewards"][n]["z"] for _, res in g if n in res["train_rewards"]]
                                          for s, g in groups.items()}) for n in train]
         panels.append(("composite over the training rewards",
                        {s: [res["composite_train"] for _, res in g] for s, g in groups.items()}))
-        paths.append(strip_panels(panels, out / "seeds.png", ylabel="delta / base std",
-                                  title="Held-out improvement over the base model: one dot per run (seed), "
-                                        "bar = mean"))
-    return paths
+        figures["seeds.png"] = strip_figure(
+            panels, ylabel="Δ / base std",
+            title="Held-out improvement over the base model: one dot per run (seed), bar = mean ± standard error")
+    return figures
 
 
 def study_table(results: list[dict], base: BaseEvaluation) -> str:

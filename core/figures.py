@@ -1,161 +1,198 @@
-"""Line charts as PNG with PIL only (no matplotlib): the study's α trajectories and worst-cosine plots.
+"""Static figures as PNG files, drawn with matplotlib: the study's α trajectories, worst-cosine and seed plots
+(``python -m core.evaluate --study``) and the α trajectory of an exported model card (jobs/hub_export.py).
 
-Small and dependency-free on purpose: the figures in docs/study/ are made by ``python -m core.evaluate
---study`` on any machine that can train. One function, :func:`line_panels`, draws a grid of panels,
-each with several named series of (x, y) points, shared colours per series name, and a legend.
+Two kinds of chart, each a builder that returns a matplotlib ``Figure`` (what tests inspect) and a thin
+wrapper that saves it:
+
+- :func:`line_figure` / :func:`line_panels`: a grid of panels, each with named series of (x, y) points;
+  a series name keeps its colour in every panel and appears once in the shared legend.
+- :func:`strip_figure` / :func:`strip_panels`: one column per category, one dot per value, a bar at the
+  mean with the standard error ("one dot per seed, one column per strategy").
+
+matplotlib is imported inside the functions, never at module import: the job and web processes import
+their callers (core.evaluate, jobs.hub_export) without paying for it. Figures are built as
+``matplotlib.figure.Figure`` on an Agg canvas, never through pyplot: no display, no global figure
+registry, safe in the web process's worker threads. Sizes are in inches, saved at :data:`DPI`.
 """
 
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from PIL import Image, ImageDraw
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
-COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
-          (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
+# matplotlib's "tab10", a palette that stays distinguishable for the common colour-vision deficiencies
+COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+          "#17becf"]
+DPI = 150
+PANEL_SIZE = (4.6, 3.0)  # inches per panel: two panels side by side fill a README column at 150 dpi
+_PANEL_LIMITS = (1.0, 20.0)  # inches; catches sizes still given in pixels
 
-Series = dict[str, list[tuple[float, float]]]
-
-
-def _nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    if hi <= lo:
-        hi = lo + 1.0
-    raw = (hi - lo) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = min((m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw), default=10 * mag)
-    first = math.ceil(lo / step) * step
-    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+Series = dict[str, list[tuple[float, float | None]]]
 
 
-def _fmt(v: float) -> str:
-    return f"{v:.0f}" if abs(v) >= 100 or float(v).is_integer() else f"{v:.2g}"
+def series_colors(names: list[str]) -> dict[str, str]:
+    """One palette colour per name, in order of first appearance (cycling after ten)."""
+    return {n: COLORS[i % len(COLORS)] for i, n in enumerate(dict.fromkeys(names))}
 
 
-def line_panels(panels: list[tuple[str, Series]], path: str | Path, ylabel: str = "", xlabel: str = "step",
+def literal(text: str) -> str:
+    """``text`` shown as written: its dollar signs escaped, so matplotlib never reads it as mathtext.
+    Titles and axis labels are markup (``r"$\\alpha_k$"``); wrap names that come from users in this."""
+    return text.replace("$", r"\$")
+
+
+def save_png(fig: Figure, path: str | Path, dpi: int = DPI) -> Path:
+    """Save ``fig`` as a PNG at ``path`` (parent folders made) on a white background; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi, format="png", facecolor="white")
+    return path
+
+
+def _validate(panels: list, columns: int, panel_size: tuple[float, float]) -> None:
+    if not panels:
+        raise ValueError("panels=[]: a figure needs at least one (title, data) panel")
+    if columns < 1:
+        raise ValueError(f"columns={columns!r}: must be at least 1")
+    lo, hi = _PANEL_LIMITS
+    if len(panel_size) != 2 or not all(lo <= s <= hi for s in panel_size):
+        raise ValueError(f"panel_size={tuple(panel_size)!r}: must be (width, height) in inches, each between "
+                         f"{lo:g} and {hi:g}")
+
+
+def _grid(n_panels: int, columns: int, panel_size: tuple[float, float], title: str, extra_height: float = 0.0):
+    """A constrained-layout figure with a rows × cols grid of axes for ``n_panels`` (spare cells hidden)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    cols = min(columns, n_panels)
+    rows = math.ceil(n_panels / cols)
+    width, height = cols * panel_size[0], rows * panel_size[1] + extra_height + (0.4 if title else 0.0)
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)  # the Agg canvas, explicitly: no display, independent of matplotlib.use()
+    grid = fig.subplots(rows, cols, squeeze=False)
+    axes = [ax for row in grid for ax in row]
+    for ax in axes[n_panels:]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(_wrap(title, width, 11), fontsize=11)
+    return fig, axes[:n_panels], cols
+
+
+def _wrap(text: str, width_in: float, fontsize: float) -> str:
+    """Wrap ``text`` to the width of ``width_in`` inches (about 0.55 em per character)."""
+    return textwrap.fill(text, max(20, int(width_in * 72 / (fontsize * 0.55))))
+
+
+def _as_float(v) -> float:
+    return math.nan if v is None else float(v)
+
+
+def line_figure(panels: list[tuple[str, Series]], ylabel: str = "", xlabel: str = "step",
                 y_range: tuple[float, float] | None = None, hline: float | None = None, columns: int = 2,
-                panel_size: tuple[int, int] = (460, 300), title: str = "") -> Path:
-    """Draw ``panels`` (title, {series name: [(x, y), ...]}) in a grid and save a PNG at ``path``.
+                panel_size: tuple[float, float] = PANEL_SIZE, title: str = "") -> Figure:
+    """A grid of line charts: ``panels`` is [(panel title, {series name: [(x, y), ...]}), ...].
 
-    NaN/None points break a line. ``y_range`` fixes the y axis of every panel (else each panel fits its
-    data); ``hline`` draws a dashed reference line (e.g. 0 for cosines).
+    A point whose x or y is None or not finite breaks its line; a point with no finite neighbour is drawn
+    as a dot, so sparse series (α* only on the steps that solve the QP) stay visible. ``y_range`` fixes
+    the y axis of every panel (else each fits its data); ``hline`` adds a dashed reference line (e.g. 0
+    for cosines). The series names form one legend below the panels.
     """
-    names = list(dict.fromkeys(n for _, s in panels for n in s))
-    color = {n: COLORS[i % len(COLORS)] for i, n in enumerate(names)}
-    cols = max(1, min(columns, len(panels)))
-    rows = max(1, math.ceil(len(panels) / cols))
-    pw, ph = panel_size
-    top = 30 if title else 8
-    legend_h = 22 * math.ceil(len(names) / 4) + 8
-    img = Image.new("RGB", (cols * pw, top + rows * ph + legend_h), "white")
-    pen = ImageDraw.Draw(img)
-    if title:
-        pen.text((10, 8), title, fill="black")
-    for i, (ptitle, series) in enumerate(panels):
-        ox, oy = (i % cols) * pw, top + (i // cols) * ph
-        left, right, up, down = ox + 58, ox + pw - 14, oy + 22, oy + ph - 36
-        pts = [(x, y) for s in series.values() for x, y in s if y is not None and math.isfinite(y)]
-        xs = [x for x, _ in pts] or [0.0, 1.0]
-        x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
-        if y_range is not None:
-            y0, y1 = y_range
-        else:
-            ys = [y for _, y in pts] + ([hline] if hline is not None else []) or [0.0, 1.0]
-            y0, y1 = min(ys), max(ys)
-            pad = (y1 - y0) * 0.05 or 0.5
-            y0, y1 = y0 - pad, y1 + pad
-        sx = lambda x: left + (x - x0) / (x1 - x0) * (right - left)  # noqa: E731
-        sy = lambda y: down - (y - y0) / (y1 - y0) * (down - up)  # noqa: E731
-        pen.rectangle([left, up, right, down], outline=(90, 90, 90))
-        pen.text((left, oy + 4), ptitle, fill="black")
-        for t in _nice_ticks(y0, y1):
-            pen.line([left - 4, sy(t), left, sy(t)], fill=(90, 90, 90))
-            pen.line([left + 1, sy(t), right - 1, sy(t)], fill=(235, 235, 235))
-            pen.text((ox + 4, sy(t) - 6), _fmt(t), fill=(60, 60, 60))
-        for t in _nice_ticks(x0, x1):
-            pen.line([sx(t), down, sx(t), down + 4], fill=(90, 90, 90))
-            pen.text((sx(t) - 8, down + 6), _fmt(t), fill=(60, 60, 60))
-        pen.text(((left + right) // 2 - 12, down + 20), xlabel, fill=(60, 60, 60))
-        if ylabel:
-            pen.text((left + 4, up + 2), ylabel, fill=(120, 120, 120))
-        if hline is not None and y0 <= hline <= y1:
-            for xa in range(int(left), int(right), 8):
-                pen.line([xa, sy(hline), min(xa + 4, right), sy(hline)], fill=(0, 0, 0))
-        for name, s in series.items():
-            run: list[tuple[float, float]] = []
-            for x, y in list(s) + [(None, None)]:
-                if y is None or x is None or not math.isfinite(y):
-                    if len(run) > 1:
-                        pen.line(run, fill=color[name], width=2)
-                    elif len(run) == 1:
-                        px, py = run[0]
-                        pen.ellipse([px - 2, py - 2, px + 2, py + 2], fill=color[name])
-                    run = []
-                else:
-                    run.append((sx(x), sy(min(max(y, y0), y1))))
-    ly = top + rows * ph + 6
-    for j, n in enumerate(names):
-        lx, lyy = 10 + (j % 4) * (cols * pw // 4), ly + 22 * (j // 4)
-        pen.rectangle([lx, lyy + 4, lx + 18, lyy + 10], fill=color[n])
-        pen.text((lx + 24, lyy), n, fill="black")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    img.save(path)
-    return path
+    _validate(panels, columns, panel_size)
+    if y_range is not None and not (math.isfinite(y_range[0]) and math.isfinite(y_range[1])
+                                    and y_range[0] < y_range[1]):
+        raise ValueError(f"y_range={tuple(y_range)!r}: must be (low, high) with finite low < high")
+    import numpy as np
+    from matplotlib.lines import Line2D
 
-
-def strip_panels(panels: list[tuple[str, dict[str, list[float]]]], path: str | Path, ylabel: str = "",
-                 hline: float | None = 0.0, columns: int = 2, panel_size: tuple[int, int] = (460, 300),
-                 title: str = "") -> Path:
-    """Draw ``panels`` (title, {category: [values]}) as strip charts and save a PNG at ``path``.
-
-    Each category is a column: one dot per value (spread sideways so equal values stay visible) and a
-    black bar at the mean. Categories keep their colour across panels; non-finite values are skipped.
-    Made for "one dot per seed, one column per strategy".
-    """
-    names = list(dict.fromkeys(n for _, cats in panels for n in cats))
-    color = {n: COLORS[i % len(COLORS)] for i, n in enumerate(names)}
-    cols = max(1, min(columns, len(panels)))
-    rows = max(1, math.ceil(len(panels) / cols))
-    pw, ph = panel_size
-    top = 30 if title else 8
-    img = Image.new("RGB", (cols * pw, top + rows * ph), "white")
-    pen = ImageDraw.Draw(img)
-    if title:
-        pen.text((10, 8), title, fill="black")
-    for i, (ptitle, cats) in enumerate(panels):
-        ox, oy = (i % cols) * pw, top + (i // cols) * ph
-        left, right, up, down = ox + 58, ox + pw - 14, oy + 22, oy + ph - 36
-        ys = [v for vals in cats.values() for v in vals if v is not None and math.isfinite(v)]
-        ys += [hline] if hline is not None else []
-        y0, y1 = (min(ys), max(ys)) if ys else (0.0, 1.0)
-        pad = (y1 - y0) * 0.08 or 0.5
-        y0, y1 = y0 - pad, y1 + pad
-        sy = lambda y: down - (y - y0) / (y1 - y0) * (down - up)  # noqa: E731
-        pen.rectangle([left, up, right, down], outline=(90, 90, 90))
-        pen.text((left, oy + 4), ptitle, fill="black")
-        for t in _nice_ticks(y0, y1):
-            pen.line([left - 4, sy(t), left, sy(t)], fill=(90, 90, 90))
-            pen.line([left + 1, sy(t), right - 1, sy(t)], fill=(235, 235, 235))
-            pen.text((ox + 4, sy(t) - 6), _fmt(t), fill=(60, 60, 60))
-        if ylabel:
-            pen.text((left + 4, up + 2), ylabel, fill=(120, 120, 120))
+    color = series_colors([n for _, s in panels for n in s])
+    fig, axes, cols = _grid(len(panels), columns, panel_size, title, extra_height=0.35 * math.ceil(len(color) / 4))
+    for i, (ax, (ptitle, series)) in enumerate(zip(axes, panels)):
+        ax.set_title(_wrap(ptitle, panel_size[0], 10), fontsize=10)
+        ax.grid(True, color="0.9", linewidth=0.8)
+        ax.set_axisbelow(True)
         if hline is not None:
-            for xa in range(int(left), int(right), 8):
-                pen.line([xa, sy(hline), min(xa + 4, right), sy(hline)], fill=(0, 0, 0))
-        width = (right - left) / max(1, len(cats))
-        for j, (name, vals) in enumerate(cats.items()):
-            cx = left + (j + 0.5) * width
-            label = name if len(name) * 6 < width else name[: max(1, int(width / 6) - 1)] + "…"
-            pen.text((cx - len(label) * 3, down + 8), label, fill=(60, 60, 60))
-            finite = [v for v in vals if v is not None and math.isfinite(v)]
-            if finite:  # the mean first, so the dots stay whole on top of it
-                m = sum(finite) / len(finite)
-                pen.line([cx - width * 0.3, sy(m), cx + width * 0.3, sy(m)], fill=(0, 0, 0), width=2)
-            for k, v in enumerate(finite):
-                dx = (k - (len(finite) - 1) / 2) * min(10.0, width * 0.5 / max(1, len(finite)))
-                pen.ellipse([cx + dx - 4, sy(v) - 4, cx + dx + 4, sy(v) + 4], fill=color[name])
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    img.save(path)
-    return path
+            ax.axhline(hline, color="black", linestyle="--", linewidth=0.9, gid="hline")
+        for name, points in series.items():
+            xy = np.array([(_as_float(x), _as_float(y)) for x, y in points], dtype=float).reshape(-1, 2)
+            x, y = xy[:, 0], xy[:, 1]
+            ok = np.isfinite(x) & np.isfinite(y)
+            y = np.where(ok, y, np.nan)  # matplotlib breaks a line at NaN
+            ax.plot(x, y, color=color[name], linewidth=1.6, label=name, gid=f"line:{name}")
+            neighbour = np.zeros_like(ok)
+            neighbour[1:] |= ok[:-1]
+            neighbour[:-1] |= ok[1:]
+            lone = ok & ~neighbour
+            if lone.any():
+                ax.plot(x[lone], y[lone], linestyle="none", marker="o", markersize=3, color=color[name],
+                        label=f"_{name} (lone points)", gid=f"dots:{name}")
+        if y_range is not None:
+            ax.set_ylim(*y_range)
+        if i + cols >= len(panels):  # nothing below it: the bottom of its column
+            ax.set_xlabel(xlabel)
+        if i % cols == 0 and ylabel:
+            ax.set_ylabel(ylabel)
+    handles = [Line2D([], [], color=c, linewidth=2) for c in color.values()]
+    if handles:  # series names are data, not markup
+        fig.legend(handles, [literal(n) for n in color], loc="outside lower center", ncols=min(4, len(handles)),
+                   frameon=False)
+    return fig
+
+
+def line_panels(panels: list[tuple[str, Series]], path: str | Path, **options) -> Path:
+    """:func:`line_figure` saved as a PNG at ``path``; returns the path."""
+    return save_png(line_figure(panels, **options), path)
+
+
+def strip_figure(panels: list[tuple[str, dict[str, list[float]]]], ylabel: str = "", hline: float | None = 0.0,
+                 columns: int = 2, panel_size: tuple[float, float] = PANEL_SIZE, title: str = "") -> Figure:
+    """Strip charts: ``panels`` is [(panel title, {category: [values]}), ...], one column per category.
+
+    Each value is a dot, spread sideways so equal values stay visible; a black bar marks the mean of the
+    category's finite values and a black error bar ± its standard error (when it has two or more).
+    Categories keep their colour across panels; None and non-finite values are skipped. ``hline`` adds a
+    dashed reference line (0 by default: "no change").
+    """
+    _validate(panels, columns, panel_size)
+    import numpy as np
+
+    color = series_colors([n for _, cats in panels for n in cats])
+    fig, axes, cols = _grid(len(panels), columns, panel_size, title)
+    for i, (ax, (ptitle, cats)) in enumerate(zip(axes, panels)):
+        ax.set_title(_wrap(ptitle, panel_size[0], 10), fontsize=10)
+        ax.grid(True, axis="y", color="0.9", linewidth=0.8)
+        ax.set_axisbelow(True)
+        if hline is not None:
+            ax.axhline(hline, color="black", linestyle="--", linewidth=0.9, gid="hline")
+        for j, (name, values) in enumerate(cats.items()):
+            v = np.array([_as_float(x) for x in values], dtype=float)
+            v = v[np.isfinite(v)]
+            if len(v) == 0:
+                continue
+            spread = min(0.08, 0.5 / len(v))  # the whole group stays within half a column
+            dx = (np.arange(len(v)) - (len(v) - 1) / 2) * spread
+            ax.scatter(j + dx, v, s=30, color=color[name], edgecolors="white", linewidths=0.6, zorder=3,
+                       label=name, gid=f"dots:{name}")
+            mean = float(v.mean())
+            ax.hlines(mean, j - 0.3, j + 0.3, color="black", linewidth=2, zorder=2, gid=f"mean:{name}")
+            if len(v) > 1:
+                sem = float(v.std(ddof=1) / math.sqrt(len(v)))
+                ax.vlines(j, mean - sem, mean + sem, color="black", linewidth=1, zorder=2, gid=f"sem:{name}")
+        names = list(cats)
+        ax.set_xlim(-0.6, len(names) - 0.4)
+        long = sum(len(n) for n in names) * 0.09 > panel_size[0]  # labels would overlap side by side
+        ax.set_xticks(range(len(names)), [literal(n) for n in names], rotation=25 if long else 0,
+                      ha="right" if long else "center", fontsize=9)
+        if i % cols == 0 and ylabel:
+            ax.set_ylabel(ylabel)
+    return fig
+
+
+def strip_panels(panels: list[tuple[str, dict[str, list[float]]]], path: str | Path, **options) -> Path:
+    """:func:`strip_figure` saved as a PNG at ``path``; returns the path."""
+    return save_png(strip_figure(panels, **options), path)

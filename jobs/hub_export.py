@@ -117,9 +117,9 @@ def alpha_series(store: Store, run_id: int, reward_names: list[str], upto: int) 
     for n in reward_names:
         steps, values = series.get(f"alpha/{n}", ([], []))
         applied[n] = [(s, _f(v)) for s, v in zip(steps, values) if s <= upto]
-    # ASCII titles: PIL's default font has no Greek letters
-    panels = [("alpha* (min-norm QP, per solve)", raw), ("alpha-bar (EMA of alpha*)", ema),
-              ("alpha applied on the step", applied)]
+    # matplotlib mathtext: α* appears only on the steps that solve the QP (lone points between NaNs)
+    panels = [(r"$\alpha^*$ (min-norm QP, per solve)", raw), (r"$\bar\alpha$ (EMA of $\alpha^*$)", ema),
+              (r"$\alpha$ applied on the step", applied)]
     return [(title, data) for title, data in panels if any(data.values())]
 
 
@@ -290,7 +290,7 @@ def export_hub(store: Store, run_id: int, out: str | Path, checkpoint_step: int 
     """Write the Hub-ready folder ``out`` for a run's checkpoint (see the module doc); returns what it wrote.
     ``out`` must be empty or absent: an export never mixes with older files."""
     from core.config import TrainConfig
-    from core.figures import line_panels
+    from core.figures import line_panels, literal
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -324,8 +324,8 @@ def export_hub(store: Store, run_id: int, out: str | Path, checkpoint_step: int 
     config.save(out / CONFIG_FILE)
     panels = alpha_series(store, run_id, config.reward_names, ckpt["step"])
     if panels:
-        line_panels(panels, out / ALPHA_IMAGE, ylabel="alpha", y_range=(0.0, 1.0), columns=len(panels),
-                    title=f"{run.name or f'run {run_id}'}: balancing coefficients per reward")
+        line_panels(panels, out / ALPHA_IMAGE, ylabel=r"$\alpha_k$", y_range=(0.0, 1.0), columns=len(panels),
+                    title=f"{literal(run.name or f'run {run_id}')}: balancing coefficients per reward")
     sample_grid(store, run_id, ckpt["step"], out / GRID_IMAGE)
     card = build_card(store, run_id, config, ckpt, out, has_ema, license_id=license_id, repo_id=repo_id)
     card.save(out / "README.md")

@@ -6,10 +6,9 @@ import math
 import numpy as np
 import pytest
 from PIL import Image
-from scipy import ndimage
 
-from core.evaluate import EvalSettings, compare, eval_reward_names, main, strategy_summary, study, write_figures
-from core.figures import COLORS, strip_panels
+from core.evaluate import (EvalSettings, compare, eval_reward_names, main, strategy_summary, study, study_figures,
+                           write_figures)
 from core.train import main as train_main
 from tests.helpers import load_script, small_config
 
@@ -101,41 +100,47 @@ def test_study_writes_the_table_and_figures_from_the_runs_own_logs(runs, tmp_pat
     assert doc["runs"][0]["training"]["diagnosed_steps"] == 2
 
 
-def _dot_rows(img, rgb):
-    """Row centres of the separate dots of one colour (rows that contain it, split where they stop)."""
-    rows = np.flatnonzero((img == rgb).all(axis=2).any(axis=1))
-    return [float(np.mean(c)) for c in np.split(rows, np.flatnonzero(np.diff(rows) > 1) + 1) if len(c)]
+def _panels(fig):
+    return [ax for ax in fig.axes if ax.get_visible()]
 
 
-def test_strip_chart_puts_one_dot_per_value_at_its_height(tmp_path):
-    path = strip_panels([("p", {"a": [1.0], "b": [-1.0, 0.5]})], tmp_path / "s.png")
-    img = np.asarray(Image.open(path).convert("RGB"))
-    (a,) = _dot_rows(img, COLORS[0])
-    b_high, b_low = _dot_rows(img, COLORS[1])
-    assert a < b_high < b_low  # image rows grow downwards: 1.0 above 0.5 above -1.0
-    cols = lambda rgb: np.flatnonzero((img == rgb).all(axis=2).any(axis=0)).mean()  # noqa: E731
-    assert cols(COLORS[0]) < cols(COLORS[1])  # categories left to right in order
+def _dots(ax, name):
+    """The y of the dots of category ``name`` in a strip-chart panel (core.figures gives them a gid)."""
+    (dots,) = [a for a in ax.collections if a.get_gid() == f"dots:{name}"]
+    return sorted(dots.get_offsets()[:, 1].tolist())
 
 
 def test_a_seed_study_draws_one_panel_per_strategy_and_every_seed(runs, tmp_path):
-    def result(strategy, z):
-        return {"strategy": strategy, "train_rewards": ["count_accuracy"], "composite_train": z,
+    def result(strategy, z, composite):
+        return {"strategy": strategy, "train_rewards": ["count_accuracy"], "composite_train": composite,
                 "rewards": {"count_accuracy": {"z": z}}}
 
     marble, wsum = runs
-    paths = write_figures([marble, marble, wsum], [result("marble", 0.5), result("marble", -0.5),
-                                                   result("weighted_sum", 1.0)], tmp_path)
+    seeded = [result("marble", 0.5, 0.25), result("marble", -0.5, 0.75), result("weighted_sum", 1.0, 2.0)]
+    figures = study_figures([marble, marble, wsum], seeded)
+    assert list(figures) == ["alpha.png", "worst_cosine.png", "seeds.png"]
+    # a strategy's runs are one α panel and one cosine line: their mean
+    assert [ax.get_title() for ax in _panels(figures["alpha.png"])] == ["marble (mean of 2 runs)",
+                                                                        "wsum (weighted_sum)"]
+    (cos,) = _panels(figures["worst_cosine.png"])
+    assert sorted(line.get_gid() for line in cos.lines if line.get_gid() != "hline") == [
+        "line:marble (mean of 2)", "line:wsum"]
+    # seeds.png: one panel per training reward plus the composite; one dot per run, one column per strategy
+    reward, composite = _panels(figures["seeds.png"])
+    assert reward.get_title() == "count_accuracy (trained on)"
+    assert _dots(reward, "marble") == [-0.5, 0.5] and _dots(reward, "weighted_sum") == [1.0]
+    assert _dots(composite, "marble") == [0.25, 0.75] and _dots(composite, "weighted_sum") == [2.0]
+    (mean,) = next(a for a in composite.collections if a.get_gid() == "mean:marble").get_segments()
+    assert mean[:, 1].tolist() == [0.5, 0.5]
+
+    paths = write_figures([marble, marble, wsum], seeded, tmp_path)
     assert [p.name for p in paths] == ["alpha.png", "worst_cosine.png", "seeds.png"]
-    # two strategies -> two α panels (one row), where three single runs would take two rows
-    single = write_figures([marble, marble, wsum], [result("marble", 0.5), result("equal", -0.5),
-                                                    result("weighted_sum", 1.0)], tmp_path / "single")
-    assert len(single) == 2  # no seeds figure without a strategy that has several runs
-    h_seeded = Image.open(paths[0]).size[1]
-    h_single = Image.open(single[0]).size[1]
-    assert h_seeded < h_single
-    seeds = np.asarray(Image.open(paths[2]).convert("RGB"))
-    assert ndimage.label((seeds == COLORS[0]).all(axis=2))[1] == 4  # marble: 2 seeds x 2 panels (reward, composite)
-    assert ndimage.label((seeds == COLORS[1]).all(axis=2))[1] == 2  # weighted sum: 1 run x 2 panels
+    single = write_figures([marble, marble, wsum], [result("marble", 0.5, 0.5), result("equal", -0.5, -0.5),
+                                                    result("weighted_sum", 1.0, 1.0)], tmp_path / "single")
+    assert [p.name for p in single] == ["alpha.png", "worst_cosine.png"]  # no seeds figure without seeds
+    # two strategies -> two α panels (one row), where three single runs take two rows
+    with Image.open(paths[0]) as seeded_png, Image.open(single[0]) as single_png:
+        assert seeded_png.size[1] < single_png.size[1]
 
 
 def test_errors_name_the_problem(tmp_path, capsys):
