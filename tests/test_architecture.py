@@ -13,7 +13,7 @@ FORBIDDEN = {
     # jobs persists and runs; it never reaches up into the UI
     "jobs": {"app", "gradio"},
     # the web process must start in seconds: no deep-learning stack in it
-    "app": {"torch", "diffusers", "transformers", "peft", "cvxpy"},
+    "app": {"torch", "diffusers", "transformers", "peft", "cvxpy", "matplotlib"},
 }
 
 
