@@ -7,7 +7,9 @@ live refresh replaces the figure.
 
 from __future__ import annotations
 
+import functools
 import math
+import zlib
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -25,23 +27,33 @@ def colour(i: int) -> str:
     return PALETTE[i % len(PALETTE)]
 
 
-# Every reward has one colour on every page (dashboard, overlay, study, replay): its place in this list picks
-# it from REWARD_PALETTE. Rewards that train together come first and get the most distinct colours; a reward
-# not listed (a new one) gets a colour from its name's CRC (stable across processes, may repeat one).
+# Every reward has one colour on every page (dashboard, overlay, study, replay): its place in REWARD_ORDER, then
+# in the reward registry (core.rewards, rewards added since), picks it from REWARD_PALETTE. Rewards that train
+# together come first and get the most distinct colours; a name the registry does not know gets a colour from its
+# CRC (stable across processes, may repeat one).
 REWARD_ORDER = ("color_fidelity", "count_accuracy", "spatial_relation", "colorfulness", "jpeg_compressibility",
                 "brightness", "pickscore", "hpsv2", "clipscore", "ocr", "geneval", "aesthetic", "imagereward",
                 "contrast", "sharpness", "gray_entropy", "jpeg_incompressibility", "world_geneval", "remote")
 REWARD_PALETTE = PALETTE[:8] + ("#FF9DA6", "#393B79", "#637939", "#8C6D31", "#843C39", "#7B4173", "#17BECF",
-                                "#BCBD22", "#5254A3", "#BAB0AC", "#D6616B")
+                                "#BCBD22", "#5254A3", "#BAB0AC", "#D6616B", "#E7BA52", "#A55194", "#6B6ECF",
+                                "#31A354", "#E6550D", "#3182BD", "#CEDB9C", "#DE9ED6", "#756BB1", "#9C9EDE",
+                                "#AD494A")
+
+
+@functools.lru_cache(maxsize=1)
+def _reward_places() -> dict[str, int]:
+    from core.rewards import available_rewards  # the registry of names only (no torch)
+
+    order = list(REWARD_ORDER) + [n for n in available_rewards() if n not in REWARD_ORDER]
+    return {n: i for i, n in enumerate(order)}
 
 
 def reward_colour(name: str) -> str:
     """The colour of reward ``name``, the same on every figure of every page."""
-    if name in REWARD_ORDER:
-        return REWARD_PALETTE[REWARD_ORDER.index(name) % len(REWARD_PALETTE)]
-    import zlib
-
-    return REWARD_PALETTE[zlib.crc32(name.encode()) % len(REWARD_PALETTE)]
+    place = _reward_places().get(name)
+    if place is None:
+        place = zlib.crc32(name.encode())
+    return REWARD_PALETTE[place % len(REWARD_PALETTE)]
 
 
 RUN_DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")

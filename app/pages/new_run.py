@@ -89,6 +89,34 @@ def start_study(preset_name: str, run_name: str, rewards: list[str], weights: st
     return "", f"Queued study **{label}**: runs {', '.join(f'#{i}' for i in ids)} (same budget, {each})."
 
 
+# What a newcomer needs before pressing Start: which model the preset trains and how long it takes. Durations are
+# measured on this project's 2-core CPU machine (README "Presets and models"); a preset not listed says so.
+PRESET_MODELS = {
+    "mini": ("the pretrained **mini-world** SD3 (1.6 M parameters, 64 px shapes world)",
+             "about 9 minutes on 2 CPU cores (mini-marble measured 8 min 51 s; the baselines train the same budget)"),
+    "tiny": ("a **random-weight** tiny SD3 (0.6 M parameters): its images are coloured noise by design, and its "
+             "rewards move in the third decimal. It checks that the machinery runs; it is not meant to learn",
+             "seconds per step on 2 quiet CPU cores, so its {steps} steps take a minute or two (more while other "
+             "jobs share the cores; not a figure measured for this form)"),
+    "sd35m": ("**Stable Diffusion 3.5 Medium** from the local Hugging Face cache (LoRA r32)",
+              "hours on GPUs; not measured on this project's machines"),
+}
+
+
+def preset_note(name: str | None) -> str:
+    """The preset's description, its model and its expected duration, in words."""
+    from core.config import available_presets
+
+    if not name or name not in available_presets():
+        return ""
+    cfg = preset(name)
+    model, duration = next((v for k, v in PRESET_MODELS.items() if name.startswith(k)),
+                           (f"model `{cfg.model.name}`", "not measured"))
+    batch = f"{cfg.steps} steps × {cfg.sampling.prompts_per_step} prompts × {cfg.sampling.images_per_prompt} images"
+    return (f"{available_presets()[name]}\n\n**Model:** {model}. **Budget:** {batch}. "
+            f"**Expected duration:** {duration.format(steps=cfg.steps)}.")
+
+
 def unusable_rewards(names: list[str]) -> dict[str, str]:
     """Reward name -> why it cannot be built here with its default arguments (weights absent, no server url)."""
     from core.preflight import missing_reward_files
@@ -140,6 +168,7 @@ def build() -> dict:
             preset_box = gr.Dropdown(choices=selectable_presets(), value=first, label="Preset", elem_id="preset",
                                      info="Fills every field below; change any of them afterwards.")
             name_box = gr.Textbox(label="Run name (optional)", elem_id="run-name")
+        note_box = gr.Markdown(preset_note(first), elem_id="preset-note", elem_classes=["help-line"])
         unusable = unusable_rewards(rewards)
         with gr.Row():
             reward_box = gr.CheckboxGroup(choices=reward_choices(rewards, unusable), value=base.reward_names,
@@ -179,6 +208,7 @@ def build() -> dict:
 
     extras = [reward_box, weights_box, stages_box, single_box, source_box]
     preset_box.input(lambda p: preset_values(p, fields), preset_box, widgets + extras)
+    preset_box.input(preset_note, preset_box, note_box)
     started = start_btn.click(
         lambda p, n, r, w, st, si, so, *vals: start(p, n, r, w, st, si, so, fields, list(vals)),
         [preset_box, name_box, *extras, *widgets], [error, status])

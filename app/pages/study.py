@@ -184,6 +184,12 @@ def build() -> dict:
                          label="Per-reward means (last 10% of steps) and improvement in σ units",
                          interactive=False, elem_id="study-table")
     note = gr.Markdown(elem_id="study-note")
+    gr.Markdown("**σ units**: a change divided by the reward's spread (its within-batch standard deviation over the "
+                "first 10% of steps; held-out columns: the base model's std over the test images), so rewards on "
+                "different scales compare: +1 means the mean moved by one typical difference between two images. "
+                "**composite**: the sum of those changes over the run's rewards (higher is better; one reward's "
+                "large gain can hide another's loss, hence the per-reward columns).", elem_id="study-help",
+                elem_classes=["help-line"])
     summary = gr.Dataframe(no_summary,
                            label="By strategy: the chosen runs of each strategy pooled (e.g. a study's seeds), "
                                  "mean ± std of each improvement",
