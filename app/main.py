@@ -6,7 +6,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from app.pages import compare, dashboard, new_run, replay, runs, study
+from app.pages import compare, dashboard, new_run, overlay, replay, runs, study
 
 STATIC = Path(__file__).resolve().parents[1] / "static"
 REFRESH_SECONDS = 2.0
@@ -24,6 +24,8 @@ def build_app() -> gr.Blocks:
                 runs.build(timer, new, tabs, "new")
             with gr.Tab("Dashboard", id="dashboard"):
                 dash = dashboard.build(timer)
+            with gr.Tab("Overlay", id="overlay"):
+                over = overlay.build(timer)
             with gr.Tab("Compare", id="compare"):
                 comp = compare.build(timer)
             with gr.Tab("Study", id="study"):
@@ -41,6 +43,7 @@ def build_app() -> gr.Blocks:
         from app import context
 
         demo.load(lambda: gr.update(choices=context.run_choices()), None, stud["runs"])
+        demo.load(lambda: gr.update(choices=context.run_choices()), None, over["runs"])
         demo.load(lambda: gr.update(choices=context.run_choices()), None, rep["run"])
     return demo
 
