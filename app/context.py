@@ -13,9 +13,16 @@ def store() -> Store:
 
 
 def run_choices(statuses: tuple[str, ...] | None = None) -> list[tuple[str, int]]:
-    """Dropdown choices ``("#12 marble · running 40/200", 12)``, newest first."""
+    """Dropdown choices ``("#12 marble · running 40/200", 12)`` of the training runs, newest first (the pickers of
+    the Dashboard, Study and Replay: evaluate and compare jobs are not runs to plot)."""
     return [(f"#{r.id} {r.name or r.strategy} · {r.status} {r.step}/{r.total_steps}", r.id)
-            for r in store().list_runs(status=list(statuses) if statuses else None)]
+            for r in store().list_runs(status=list(statuses) if statuses else None, kind="train")]
+
+
+def job_choices() -> list[tuple[str, int]]:
+    """Dropdown choices of every job of the queue (the Runs page: training runs, evaluations, comparisons)."""
+    return [(f"#{r.id} {r.name or r.strategy} · {r.status} {r.step}/{r.total_steps}", r.id)
+            for r in store().list_runs()]
 
 
 def fmt_seconds(x: float | None) -> str:

@@ -8,7 +8,8 @@
     python -m jobs logs RUN [--lines N]
     python -m jobs export RUN --format csv|parquet [--out FILE]
     python -m jobs export RUN --format hub --out DIR [--checkpoint STEP] [--push REPO_ID] [--license ID]
-    python -m jobs evaluate RUN [--checkpoint STEP] [--prompts test] [--prompts-per-source N] [--seeds N]
+    python -m jobs evaluate RUN [--checkpoint STEP] [--prompts test] [--prompts-per-source N] [--seeds N] [--queue]
+    python -m jobs import DIR [--name TEXT]
     python -m jobs worker [--once] [--slots N] | worker --stop
 
 Everything lives under the data directory: --home, else $MARBLE_HOME, else ./runs (the database
@@ -70,10 +71,11 @@ def cmd_list(store: Store, args) -> int:
     if args.json:
         print(json.dumps([r.to_dict() for r in runs], indent=2))
         return 0
-    print(f"{'ID':>5}  {'STATUS':<11} {'STEP':>11}  {'STRATEGY':<14} {'ETA':>7}  REWARDS")
+    print(f"{'ID':>5}  {'STATUS':<11} {'STEP':>11}  {'STRATEGY/KIND':<14} {'ETA':>7}  REWARDS")
     for r in runs:
         name = f"  [{r.name}]" if r.name else ""
-        print(f"{r.id:>5}  {r.status:<11} {f'{r.step}/{r.total_steps}':>11}  {r.strategy:<14} "
+        print(f"{r.id:>5}  {r.status:<11} {f'{r.step}/{r.total_steps}':>11}  "
+              f"{r.strategy if r.kind == s.TRAIN else r.kind:<14} "
               f"{_fmt_seconds(r.eta_seconds):>7}  {_fmt_rewards(r.headline)}{name}")
     return 0
 
@@ -122,15 +124,36 @@ def cmd_logs(store: Store, args) -> int:
 
 
 def cmd_evaluate(store: Store, args) -> int:
-    """Held-out evaluation of a run's checkpoint (core.evaluate), recorded in the store for the app's Study."""
+    """Held-out evaluation of a finished run's checkpoint (core.evaluate), recorded in the store for the app's
+    dashboard and Study: here and now, or with --queue as a job of the worker (as the app's Evaluate button)."""
     from core.evaluate import EvalSettings, run_table
-    from jobs.evaluations import evaluate
+    from jobs.evaluations import evaluate, queue
 
     settings = EvalSettings(args.prompts, args.prompts_per_source, args.seeds, weights=args.weights)
     settings.validate()
+    if args.queue:
+        job_id = queue(store, args.run, args.checkpoint, settings, field="--checkpoint")
+        print(f"evaluate job {job_id} queued for run {args.run}; a worker runs it (`python -m jobs worker`)")
+        return 0
     eval_id, result = evaluate(store, args.run, settings, checkpoint_step=args.checkpoint)
     print(run_table(result))
     print(f"recorded as evaluation {eval_id} of run {args.run}")
+    return 0
+
+
+def cmd_import(store: Store, args) -> int:
+    """Register a run folder trained by ``python -m core.train --out DIR`` as a finished run (jobs.importer)."""
+    from jobs.importer import import_run
+
+    run_id, created, evaluations = import_run(store, args.dir, name=args.name)
+    if not created:
+        print(f"{args.dir} is already run {run_id}; nothing imported again"
+              + (f" (recorded {evaluations} new evaluation(s) from its eval_*.json)" if evaluations else ""))
+        return 0
+    run = store.get_run(run_id)
+    print(f"imported {args.dir} as run {run_id} ({run.strategy}, {run.step}/{run.total_steps} steps, "
+          f"{len(store.checkpoints(run_id))} checkpoint(s), {len(store.sample_steps(run_id))} sample step(s)"
+          + (f", {evaluations} evaluation(s)" if evaluations else "") + ")")
     return 0
 
 
@@ -301,7 +324,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=4, help="seeds per prompt (default 4)")
     p.add_argument("--weights", choices=("ema", "raw"), default="ema",
                    help="the checkpoint's parameter EMA (default) or its raw LoRA")
+    p.add_argument("--queue", action="store_true", help="queue it as a job for the worker instead of running it here")
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("import", help="register a run folder trained by `python -m core.train --out DIR` as a "
+                                      "finished run (dashboard, evaluate, compare, study)")
+    p.add_argument("dir", help="the run folder: config.json, events.jsonl, checkpoints/, samples/")
+    p.add_argument("--name", help="a label for the runs list (default: the folder's name)")
+    p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("export", help="per-step metrics as one wide table, or a Hub-ready LoRA folder (hub)")
     p.add_argument("run", type=int)

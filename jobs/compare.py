@@ -1,25 +1,25 @@
-"""Side-by-side comparisons of checkpoints (and base models) on prompts, generated in a background job.
+"""Side-by-side comparisons of checkpoints (and base models) on prompts: a job of the queue like any other.
 
-``start_comparison`` stores the request as a comparison row (status "queued") and starts
-``python -m jobs.compare ID`` in a new session, so the web page never blocks and the job outlives it.
-The job generates every (prompt, seed) with every entry using the training sampler, scores each image
-with the runs' rewards, saves the grid under ``$MARBLE_HOME/comparisons/NNNNNN/`` and writes the result
-(status "done" or "failed" with the error) back to the row; it can be reopened at any time.
+``start_comparison`` stores the request as a comparisons row and queues a job of kind ``compare`` for it (one worker
+slot; cancelled, reconciled after a crash and resumed like a training run, with the same status words). The job
+(:func:`run_job`, dispatched by jobs.job) generates every (prompt, seed) with every entry using the training sampler,
+scores each image with the runs' rewards, saves the grid under ``$MARBLE_HOME/comparisons/NNNNNN/`` and writes it to
+the row, which can be reopened at any time; its log is the job's (``python -m jobs logs JOB``). It reports its progress
+as entries done out of entries and stops between entries when a cancel asks it to.
+
+Why a row of the runs table and not a process of its own (as before): one queue, one worker and one set of states
+for everything that runs in the background, so a comparison waits for a free slot instead of competing with a
+training run for the same CPU or GPU, can be cancelled, and is marked interrupted when its process dies.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
-import traceback
 from pathlib import Path
+from typing import Any
 
-from jobs.paths import DATABASE_URL_ENV, HOME_ENV
-from jobs.storage import Store
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from jobs import schema
+from jobs.storage import RunNotFound, Store
 
 
 def comparison_dir(store: Store, comparison_id: int) -> Path:
@@ -41,26 +41,59 @@ def validate_request(entries: list[dict], prompts: list[str], seeds: list[int]) 
 
 
 def start_comparison(store: Store, name: str, entries: list[dict], prompts: list[str], seeds: list[int],
-                     num_steps: int = 10, guidance_scale: float = 1.0, spawn: bool = True) -> int:
+                     num_steps: int = 10, guidance_scale: float = 1.0) -> int:
     """Queue a comparison. ``entries``: ``{"label", "model", "lora" (checkpoint folder or None),
     "run_id" (or None), "rewards": [reward configs], optional "weights": "ema" (default: the checkpoint's
-    parameter EMA) or "raw"}``. Returns the comparison id."""
+    parameter EMA) or "raw"}``. Returns the comparison id; its job is ``get_comparison(id)["job_id"]``
+    (start a worker, e.g. ``jobs.runner.ensure_worker``, for it to run)."""
     validate_request(entries, prompts, seeds)
     settings = {"entries": entries, "prompts": prompts, "seeds": seeds, "num_steps": int(num_steps),
                 "guidance_scale": float(guidance_scale)}
     run_ids = sorted({e["run_id"] for e in entries if e.get("run_id") is not None})
-    cid = store.add_comparison(name, run_ids, settings=settings, result={"status": "queued"})
-    if spawn:
-        env = dict(os.environ, **{HOME_ENV: str(store.home), DATABASE_URL_ENV: store.url})
-        comparison_dir(store, cid).mkdir(parents=True, exist_ok=True)
-        with open(comparison_dir(store, cid) / "job.log", "ab") as log:
-            subprocess.Popen([sys.executable, "-m", "jobs.compare", str(cid)], cwd=REPO_ROOT, env=env,
-                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    cid = store.add_comparison(name, run_ids, settings=settings)
+    job_id = store.create_run({"comparison_id": cid}, strategy="-", total_steps=len(entries), kind=schema.COMPARE,
+                              name=f"compare #{cid} {name}"[:200])
+    store.update_comparison(cid, job_id=job_id)
     return cid
 
 
-def run_comparison(store: Store, comparison_id: int) -> dict:
-    """Generate, score and save the grid; the result is written to the comparison row and returned."""
+def status_of(store: Store, row: dict) -> tuple[str, str | None, Any]:
+    """(status, error, job) of a comparisons row: its job's, in the runs' status words; a comparison whose job was
+    deleted keeps the status its job left in the result."""
+    job = None
+    if row.get("job_id") is not None:
+        try:
+            job = store.get_run(int(row["job_id"]))
+        except RunNotFound:
+            job = None
+    if job is not None:
+        return job.status, job.error, job
+    result = row.get("result") or {}
+    if result.get("status"):
+        return result["status"], result.get("error"), None
+    return schema.INTERRUPTED, "its job was deleted before the grid was made", None
+
+
+def cancel_comparison(store: Store, comparison_id: int) -> str:
+    """Stop a comparison's job (queued: at once; running: the stop flag, then the worker's SIGTERM / SIGKILL);
+    returns the job's status. ValueError when there is nothing to cancel."""
+    from jobs.runner import cancel
+
+    row = store.get_comparison(comparison_id)
+    status, _, job = status_of(store, row)
+    if job is None or status not in schema.ACTIVE:
+        raise ValueError(f"comparison #{comparison_id} is {status}: there is nothing to cancel")
+    return cancel(store, job.id, wait=False)
+
+
+def run_job(control: Any) -> bool:
+    """The body of a compare job (jobs.job): True when the grid is written, False when stopped on request."""
+    return run_comparison(control.store, int(control.run.config["comparison_id"]), control) is not None
+
+
+def run_comparison(store: Store, comparison_id: int, control: Any = None) -> dict | None:
+    """Generate, score and save the grid; the result is written to the comparison row and returned (None when
+    ``control`` asked to stop between two entries)."""
     import torch
 
     from core.config import RewardConfig
@@ -72,7 +105,6 @@ def run_comparison(store: Store, comparison_id: int) -> dict:
     st = row["settings"]
     out = comparison_dir(store, comparison_id)
     out.mkdir(parents=True, exist_ok=True)
-    store.update_comparison(comparison_id, {"status": "running", "started_at": time.time()})
     started = time.time()
     prompts, seeds = st["prompts"], st["seeds"]
     pairs = [(p, s) for p in prompts for s in seeds]
@@ -82,7 +114,11 @@ def run_comparison(store: Store, comparison_id: int) -> dict:
             reward_cfgs.setdefault(r["name"], RewardConfig(**r))
     rewards = {n: make_reward(c.name, **c.kwargs) for n, c in reward_cfgs.items()}
     cells: list[list[dict]] = [[] for _ in pairs]
+    if control is not None:
+        control.progress(0, len(st["entries"]))
     for j, entry in enumerate(st["entries"]):
+        if control is not None and control.should_stop():
+            return None
         pipe = load_pipeline(entry["model"], "float32", "cuda" if torch.cuda.is_available() else "cpu")
         if entry.get("lora"):
             load_lora(pipe, entry["lora"], entry.get("weights", "ema"))  # the parameter EMA unless "raw"
@@ -97,7 +133,9 @@ def run_comparison(store: Store, comparison_id: int) -> dict:
             cells[i].append({"label": entry["label"], "path": str(path),
                              "scores": {n: _finite(v[i]) for n, v in scores.items()}})
         del pipe
-    result = {"status": "done", "seconds": time.time() - started,
+        if control is not None:
+            control.progress(j + 1)
+    result = {"status": schema.SUCCEEDED, "seconds": time.time() - started,
               "rows": [{"prompt": p, "seed": s, "cells": cells[i]} for i, (p, s) in enumerate(pairs)]}
     store.update_comparison(comparison_id, result)
     return result
@@ -105,23 +143,3 @@ def run_comparison(store: Store, comparison_id: int) -> dict:
 
 def _finite(x: float) -> float | None:
     return x if x == x and abs(x) != float("inf") else None
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or not args[0].isdigit():
-        print("usage: python -m jobs.compare COMPARISON_ID", file=sys.stderr)
-        return 2
-    store = Store.open()
-    cid = int(args[0])
-    try:
-        run_comparison(store, cid)
-    except Exception as e:  # noqa: BLE001 - any failure is stored on the row, verbatim
-        traceback.print_exc()
-        store.update_comparison(cid, {"status": "failed", "error": f"{type(e).__name__}: {e}"})
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

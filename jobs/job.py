@@ -1,14 +1,15 @@
-"""One job: run ``core.trainer.train`` for a claimed run and record everything in the store.
+"""One job: run a claimed job of the queue and record everything in the store.
 
-``execute(store, run_id)`` is the whole job. The worker runs it in a process of its own
-(``python -m jobs.job RUN_ID``, its own process group, output to the run's job.log); immediate mode calls
-it inline. It
-- loads the stored config (a config that no longer validates fails the job with the rule it breaks),
-- on a resumed attempt, deletes the rows after the last recorded checkpoint and resumes from it,
-- writes events through one batched :class:`~jobs.writer.EventWriter`,
-- heartbeats from a thread that also flushes the writer and reads the stop flag (``should_stop``),
-- ends the run succeeded / cancelled / failed with the error text. A failing job writes only its own
-  run row (status, error) and the rows of steps it really trained.
+``execute(store, run_id)`` is the whole job, whatever its kind (jobs.schema.KINDS): the worker runs it in a
+process of its own (``python -m jobs.job RUN_ID``, its own process group, output to the job's job.log);
+immediate mode calls it inline. Every kind gets the same frame: a heartbeat thread that flushes the writer,
+stamps heartbeat_at and reads the stop flag (``JobControl.should_stop``); SIGTERM, a failure or the stop flag end
+it cancelled / interrupted / failed with the error text; a failing job writes only its own row. The body differs:
+- ``train``: ``core.trainer.train`` on the stored config (a config that no longer validates fails the job with the
+  rule it breaks); a resumed attempt deletes the rows after the last recorded checkpoint and resumes from it;
+  events go through one batched :class:`~jobs.writer.EventWriter`;
+- ``evaluate``: ``jobs.evaluations.run_job`` (core.evaluate on a run's checkpoint, recorded in the evaluations table);
+- ``compare``: ``jobs.compare.run_job`` (the side-by-side grid, written to its comparisons row).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from core.checkpoint import CheckpointError, is_disk_full
 from core.config import ConfigError
 from jobs import schema as s
 from jobs.paths import LOG_FILE
-from jobs.storage import Store
+from jobs.storage import Batch, RunDetail, Store
 from jobs.writer import EventWriter
 
 log = logging.getLogger("jobs.job")
@@ -111,17 +112,26 @@ def _log_event(event) -> None:
         log.info("%s %s", event.kind, {k: v for k, v in event.to_dict().items() if k != "event"})
 
 
-def execute(store: Store, run_id: int, heartbeat_seconds: float | None = None) -> str:
-    """Run a claimed (running) job to its end; returns the final status."""
-    run = store.get_run(run_id)
-    if run.status != s.RUNNING:
-        raise ValueError(f"run {run_id} is {run.status}; only a claimed (running) run can execute")
-    interval = heartbeat_seconds or float(os.environ.get(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_SECONDS))
-    writer = EventWriter(store, run_id, run.run_dir)
-    monitor = Heartbeat(writer, interval)
-    monitor.beat()
-    monitor.start()
+class JobControl:
+    """What a job's body is handed: the stop flag, progress, the event writer, and what to close at the end."""
 
+    def __init__(self, store: Store, run: RunDetail, writer: EventWriter, monitor: Heartbeat):
+        self.store, self.run, self.writer, self.monitor = store, run, writer, monitor
+        self.to_close: list = []  # objects with close(), closed when the job ends however it ends
+
+    def should_stop(self) -> bool:
+        return self.monitor.should_stop()
+
+    def progress(self, step: int, total: int | None = None) -> None:
+        """Record how far the job is (the runs list's step / total_steps); reads the stop flag on the way."""
+        values = {"step": int(step), **({"total_steps": int(total)} if total is not None else {})}
+        if self.store.write_batch(self.run.id, Batch(run=values), heartbeat=True):
+            self.monitor.stop_requested.set()
+
+
+def _train(control: JobControl) -> bool:
+    """The body of a ``train`` job: True when it trained every step, False when it stopped on request."""
+    store, run, writer, monitor = control.store, control.run, control.writer, control.monitor
     mirror = []  # the report_to trackers (jobs.trackers), started once the config is read
 
     def on_event(event) -> None:
@@ -130,31 +140,61 @@ def execute(store: Store, run_id: int, heartbeat_seconds: float | None = None) -
         for observer in mirror:
             observer(event)  # queues only: never blocks nor raises
 
+    from core.config import TrainConfig
+
+    config = TrainConfig.from_dict(run.config)
+    if config.report_to:
+        from jobs.trackers import TrackerMirror
+
+        mirror.append(TrackerMirror(config.report_to, run.run_dir, run.name or f"run-{run.id}", run.config))
+        control.to_close.extend(mirror)
+    resume_from = None
+    if run.attempt > 1:  # a resume: continue from the last recorded checkpoint that verifies
+        resume_from = _resume_point(store, run.id, on_event)
+        after = 0 if resume_from is None else int(resume_from.name.removeprefix("step_"))
+        dropped = store.truncate_after(run.id, after)
+        log.info("attempt %d: resuming from %s (dropped %d rows after step %d)", run.attempt,
+                 resume_from or "the start", dropped, after)
+    from core.preflight import rewards_usable
+
+    rewards_usable(config)  # weights present, servers named: refused here, before the model and first rollout
+    from core.trainer import train
+
+    result = train(config, run.run_dir, on_event=on_event, should_stop=monitor.should_stop, resume_from=resume_from)
+    return result.status == "completed"
+
+
+def _body(kind: str):
+    """The body of a job of ``kind``: ``f(control) -> bool`` (True: done; False: stopped on request)."""
+    if kind == s.EVALUATE:
+        from jobs.evaluations import run_job
+
+        return run_job
+    if kind == s.COMPARE:
+        from jobs.compare import run_job
+
+        return run_job
+    if kind == s.TRAIN:
+        return _train
+    raise ValueError(f"kind={kind!r}: valid choices: {', '.join(s.KINDS)}")
+
+
+def execute(store: Store, run_id: int, heartbeat_seconds: float | None = None) -> str:
+    """Run a claimed (running) job of any kind to its end; returns the final status."""
+    run = store.get_run(run_id)
+    if run.status != s.RUNNING:
+        raise ValueError(f"run {run_id} is {run.status}; only a claimed (running) run can execute")
+    interval = heartbeat_seconds or float(os.environ.get(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_SECONDS))
+    writer = EventWriter(store, run_id, run.run_dir)
+    monitor = Heartbeat(writer, interval)
+    monitor.beat()
+    monitor.start()
+    control = JobControl(store, run, writer, monitor)
     try:
-        from core.config import TrainConfig
-
-        config = TrainConfig.from_dict(run.config)
-        if config.report_to:
-            from jobs.trackers import TrackerMirror
-
-            mirror.append(TrackerMirror(config.report_to, run.run_dir, run.name or f"run-{run_id}", run.config))
-        resume_from = None
-        if run.attempt > 1:  # a resume: continue from the last recorded checkpoint that verifies
-            resume_from = _resume_point(store, run_id, on_event)
-            after = 0 if resume_from is None else int(resume_from.name.removeprefix("step_"))
-            dropped = store.truncate_after(run_id, after)
-            log.info("attempt %d: resuming from %s (dropped %d rows after step %d)", run.attempt,
-                     resume_from or "the start", dropped, after)
-        from core.preflight import rewards_usable
-
-        rewards_usable(config)  # weights present, servers named: refused here, before the model and first rollout
-        from core.trainer import train
-
-        result = train(config, run.run_dir, on_event=on_event, should_stop=monitor.should_stop,
-                       resume_from=resume_from)
+        finished = _body(run.kind)(control)
         monitor.close()
         writer.flush(heartbeat=True)
-        status = s.SUCCEEDED if result.status == "completed" else s.CANCELLED
+        status = s.SUCCEEDED if finished else s.CANCELLED
         store.finish(run_id, status)
     except JobTerminated:
         monitor.close()
@@ -179,9 +219,9 @@ def execute(store: Store, run_id: int, heartbeat_seconds: float | None = None) -
         _finish_failed(store, run_id, error)
     finally:
         monitor.close()
-        for observer in mirror:
+        for observer in control.to_close:
             observer.close()
-    log.info("run %d %s", run_id, status)
+    log.info("%s %d %s", "run" if run.kind == s.TRAIN else f"{run.kind} job", run_id, status)
     return status
 
 
@@ -254,14 +294,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     store = Store.open(args.home, args.db)
     rank = int(os.environ.get("RANK", "0"))
-    if rank != 0:  # under torchrun, rank 0 alone owns the run row, events, stop flag and resume path
+    if rank != 0:  # under torchrun (training only), rank 0 alone owns the run row, events, stop flag and resume path
         return _train_as_worker_rank(store, args.run_id, rank)
     run = store.get_run(args.run_id)
     if run.pid is None:  # started by hand rather than by a worker
         store.set_process(args.run_id, pid=os.getpid(), pgid=os.getpgid(0) if os.getsid(0) == os.getpid() else None,
                           host=socket.gethostname(), proc_key=process_key(os.getpid()))
-    log.info("run %d attempt %d in %s (pid %d; log %s)", args.run_id, run.attempt, run.run_dir, os.getpid(),
-             run.run_dir / LOG_FILE)
+    log.info("%s %d attempt %d in %s (pid %d; log %s)", "run" if run.kind == s.TRAIN else f"{run.kind} job",
+             args.run_id, run.attempt, run.run_dir, os.getpid(), run.run_dir / LOG_FILE)
     status = execute(store, args.run_id)
     store.close()
     return 0 if status in (s.SUCCEEDED, s.CANCELLED) else 1

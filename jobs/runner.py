@@ -1,5 +1,9 @@
 """The job runner: a queue in the database, a worker that starts each job in a process of its own.
 
+One queue for every kind of job (jobs.schema.KINDS): training runs, held-out evaluations (jobs.evaluations.queue) and
+comparisons (jobs.compare.start_comparison) are rows of the same table with the same states; each takes a worker slot,
+is cancelled, reconciled and resumed the same way. ``python -m jobs.job`` dispatches on the kind.
+
 States: queued -> running -> succeeded | failed | cancelled | interrupted (jobs.schema).
 - ``submit`` stores a validated config as a queued run; ``immediate=True`` runs it inline (huey's
   immediate mode: tests and scripts without a worker).
@@ -135,8 +139,12 @@ def resume(store: Store, run_id: int, *, steps: int | None = None, from_step: in
            immediate: bool = False) -> int:
     """Queue a stopped run again; it continues from its last recorded checkpoint that verifies, or from the
     one at ``from_step`` (checked now; the rows after it are dropped). ``steps`` extends the run (the only
-    config change allowed)."""
+    config change allowed). An evaluate or compare job is simply run again (it has no steps to extend)."""
     config = None
+    if (steps is not None or from_step is not None) and store.get_run(run_id).kind != s.TRAIN:
+        kind = store.get_run(run_id).kind
+        raise ValueError(f"{'steps' if steps is not None else 'from_step'}: #{run_id} is a {kind} job; only a "
+                         f"training run resumes to more steps or from a checkpoint (Resume alone runs the job again)")
     if from_step is not None:
         _check_from_step(store, run_id, from_step)
     if steps is not None:

@@ -24,6 +24,13 @@ ACTIVE = (QUEUED, RUNNING)
 FINAL = (SUCCEEDED, FAILED, CANCELLED, INTERRUPTED)
 RESUMABLE = (FAILED, CANCELLED, INTERRUPTED)
 
+# The kinds of job (one queue, one worker, the states above for all): a training run, a held-out evaluation of a
+# training run's checkpoint (jobs.evaluations), a side-by-side comparison (jobs.compare). jobs.job dispatches on it.
+TRAIN = "train"
+EVALUATE = "evaluate"
+COMPARE = "compare"
+KINDS = (TRAIN, EVALUATE, COMPARE)
+
 metadata = MetaData(naming_convention={
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -34,13 +41,18 @@ metadata = MetaData(naming_convention={
 runs = Table(
     "runs", metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("kind", String(16), nullable=False, server_default=TRAIN),  # TRAIN / EVALUATE / COMPARE
+    # the training run an evaluate job scores (NULL for the other kinds). No foreign key: SQLite adds a column
+    # with one only by copying the table, and dropping the old runs table would cascade into every per-step row
+    Column("subject_id", Integer),
+    Column("origin", String(1000)),  # an imported run (jobs import): the folder it was copied from, absolute
     Column("name", String(200)),
     Column("status", String(16), nullable=False),
     Column("preset", String(100)),  # the preset the config started from, if any
     Column("strategy", String(64), nullable=False),
-    Column("config", JSON, nullable=False),  # TrainConfig.to_dict(), what the job trains
+    Column("config", JSON, nullable=False),  # TrainConfig.to_dict(), what the job trains (other kinds: their request)
     Column("code_version", String(100)),  # `git describe` of the code that submitted it
-    Column("run_dir", String(1000), nullable=False),  # relative to the data directory
+    Column("run_dir", String(1000), nullable=False),  # relative to the data directory (absolute: an imported run)
     Column("total_steps", Integer, nullable=False),
     Column("step", Integer, nullable=False, default=0),  # completed steps stored so far
     Column("headline", JSON),  # the latest mean reward per reward name
@@ -137,9 +149,10 @@ evaluations = Table(  # filled by the evaluation issue: held-out scores of a run
     Index(None, "run_id", "checkpoint_step"),
 )
 
-comparisons = Table(  # filled by the comparison issue: several runs side by side
+comparisons = Table(  # several runs side by side; made by a compare job (its status is the job's)
     "comparisons", metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("job_id", Integer),  # the compare job (a runs row of kind COMPARE) that makes it; no foreign key, as subject_id
     Column("name", String(200), nullable=False),
     Column("run_ids", JSON, nullable=False),
     Column("settings", JSON),

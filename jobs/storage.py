@@ -60,6 +60,8 @@ class RunSummary:
     started_at: float | None
     finished_at: float | None
     error: str | None
+    kind: str = s.TRAIN  # train / evaluate / compare (jobs.schema.KINDS)
+    subject_id: int | None = None  # an evaluate job: the training run it scores
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -228,15 +230,47 @@ class Store:
     # ---- runs: writes ---------------------------------------------------------------------------------
     def create_run(self, config: dict, *, strategy: str, total_steps: int, preset: str | None = None,
                    name: str | None = None, code_version: str | None = None, num_processes: int = 1,
-                   num_nodes: int = 1) -> int:
-        """A new queued run; its folder is ``<home>/run_NNNNNN``."""
+                   num_nodes: int = 1, kind: str = s.TRAIN, subject_id: int | None = None) -> int:
+        """A new queued job of ``kind`` (a training run unless said otherwise); its folder is
+        ``<home>/run_NNNNNN``. ``config`` is what the job does: a TrainConfig, or another kind's request."""
+        if kind not in s.KINDS:
+            raise ValueError(f"kind={kind!r}: valid choices: {', '.join(s.KINDS)}")
         with self._tx() as conn:
             run_id = conn.execute(insert(s.runs).values(
-                name=name, status=s.QUEUED, preset=preset, strategy=strategy, config=config,
-                code_version=code_version, run_dir="", total_steps=total_steps, step=0, num_processes=num_processes,
-                num_nodes=num_nodes, attempt=0, created_at=time.time(), cancel_requested=False)).inserted_primary_key[0]
+                kind=kind, subject_id=subject_id, name=name, status=s.QUEUED, preset=preset, strategy=strategy,
+                config=config, code_version=code_version, run_dir="", total_steps=total_steps, step=0,
+                num_processes=num_processes, num_nodes=num_nodes, attempt=0, created_at=time.time(),
+                cancel_requested=False)).inserted_primary_key[0]
             conn.execute(update(s.runs).where(s.runs.c.id == run_id).values(run_dir=run_folder_name(run_id)))
         return int(run_id)
+
+    def import_run(self, config: dict, origin: str, *, strategy: str, total_steps: int, step: int, batch: "Batch",
+                   name: str | None, started_at: float | None, finished_at: float | None) -> tuple[int, bool]:
+        """Register a finished training run made outside the queue (``python -m jobs import``): its row as
+        succeeded, with every per-step row of ``batch``, in one transaction; its folder is ``<home>/run_NNNNNN``
+        (the caller moves the copied folder there). Returns (run id, created); a run already imported from
+        ``origin`` is not imported again: (its id, False)."""
+        with self._tx() as conn:
+            found = conn.execute(select(s.runs.c.id).where(s.runs.c.origin == origin)).scalar()
+            if found is not None:
+                return int(found), False
+            run_id = int(conn.execute(insert(s.runs).values(
+                kind=s.TRAIN, origin=origin, name=name, status=s.SUCCEEDED, preset=None, strategy=strategy,
+                config=config, run_dir="", total_steps=total_steps, step=step, headline=batch.run.get("headline"),
+                device=batch.run.get("device"), num_processes=1, num_nodes=1, attempt=1, created_at=time.time(),
+                started_at=started_at, finished_at=finished_at, cancel_requested=False)).inserted_primary_key[0])
+            conn.execute(update(s.runs).where(s.runs.c.id == run_id).values(run_dir=run_folder_name(run_id)))
+            for table, rows in ((s.steps, batch.steps), (s.metrics, batch.metrics), (s.balance, batch.balance),
+                                (s.samples, batch.samples), (s.checkpoints, batch.checkpoints)):
+                if rows:
+                    conn.execute(insert(table), [{"run_id": run_id, **row} for row in rows])
+        return run_id, True
+
+    def imported_from(self, origin: str) -> int | None:
+        """The run imported from the folder ``origin`` (absolute), or None."""
+        with self._read.connect() as conn:
+            found = conn.execute(select(s.runs.c.id).where(s.runs.c.origin == origin)).scalar()
+        return None if found is None else int(found)
 
     def claim(self, run_id: int | None = None, slots: int | None = None) -> int | None:
         """queued -> running for ``run_id`` (or the oldest queued run) while fewer than ``slots`` run.
@@ -350,22 +384,30 @@ class Store:
                 created_at=time.time())).inserted_primary_key[0])
 
     def add_comparison(self, name: str, run_ids: list[int], settings: dict | None = None,
-                       result: dict | None = None) -> int:
+                       result: dict | None = None, job_id: int | None = None) -> int:
         with self._tx() as conn:
             return int(conn.execute(insert(s.comparisons).values(
-                name=name, run_ids=list(run_ids), settings=settings, result=result,
+                name=name, run_ids=list(run_ids), settings=settings, result=result, job_id=job_id,
                 created_at=time.time())).inserted_primary_key[0])
 
-    def update_comparison(self, comparison_id: int, result: dict) -> None:
-        """Replace a comparison's result (the comparison job writes its status, then its grid)."""
+    def update_comparison(self, comparison_id: int, result: dict | None = None, *, job_id: int | None = None) -> None:
+        """Replace a comparison's result (its job writes the grid) and/or link the job that makes it."""
+        values: dict[str, Any] = {}
+        if result is not None:
+            values["result"] = result
+        if job_id is not None:
+            values["job_id"] = job_id
+        if not values:
+            return
         with self._tx() as conn:
             done = conn.execute(update(s.comparisons).where(s.comparisons.c.id == comparison_id)
-                                .values(result=result)).rowcount
+                                .values(**values)).rowcount
         if not done:
             raise LookupError(f"comparison {comparison_id!r} does not exist")
 
     def delete_run(self, run_id: int) -> None:
-        """Delete a run that is not queued or running: its rows, its evaluations and its folder."""
+        """Delete a job that is not queued or running: its rows, its evaluations, the finished evaluate jobs of it,
+        and their folders (a folder outside the data directory, e.g. an imported run's, is left alone)."""
         r = s.runs.c
         with self._tx() as conn:
             row = conn.execute(select(r.status, r.run_dir).where(r.id == run_id)).first()
@@ -373,20 +415,32 @@ class Store:
                 raise RunNotFound(run_id)
             if row.status in s.ACTIVE:
                 raise TransitionError(f"run {run_id} is {row.status}: cancel it before deleting it")
+            busy = conn.execute(select(r.id).where(r.subject_id == run_id, r.status.in_(s.ACTIVE))).scalar()
+            if busy is not None:
+                raise TransitionError(f"run {run_id} is being evaluated by job {busy}: cancel that job before "
+                                      f"deleting the run")
+            dirs = [row.run_dir] + list(conn.execute(select(r.run_dir).where(r.subject_id == run_id)).scalars())
             for table in (*_PER_STEP_TABLES, s.evaluations):
                 conn.execute(delete(table).where(table.c.run_id == run_id))
+            conn.execute(delete(s.runs).where(r.subject_id == run_id))
+            conn.execute(update(s.comparisons).where(s.comparisons.c.job_id == run_id).values(job_id=None))
             conn.execute(delete(s.runs).where(r.id == run_id))
-        folder = self.home / row.run_dir
-        if row.run_dir and folder.is_dir() and folder.resolve().is_relative_to(self.home):  # never outside home
-            shutil.rmtree(folder, ignore_errors=True)
+        for rel in dirs:
+            folder = self.home / rel
+            if rel and folder.is_dir() and folder.resolve().is_relative_to(self.home):  # never outside home
+                shutil.rmtree(folder, ignore_errors=True)
 
     # ---- runs: reads ----------------------------------------------------------------------------------
-    def list_runs(self, status: str | Sequence[str] | None = None, limit: int | None = None) -> list[RunSummary]:
-        """Newest first, with progress, ETA and the latest rewards: one query on the runs table."""
+    def list_runs(self, status: str | Sequence[str] | None = None, limit: int | None = None,
+                  kind: str | Sequence[str] | None = None) -> list[RunSummary]:
+        """Newest first, with progress, ETA and the latest rewards: one query on the runs table. Every kind of
+        job unless ``kind`` says which (the worker counts them all: each takes a slot)."""
         r = s.runs.c
         q = select(*[r[c] for c in _SUMMARY_COLUMNS]).order_by(r.id.desc())
         if status is not None:
             q = q.where(r.status.in_([status] if isinstance(status, str) else list(status)))
+        if kind is not None:
+            q = q.where(r.kind.in_([kind] if isinstance(kind, str) else list(kind)))
         if limit is not None:
             q = q.limit(limit)
         with self._read.connect() as conn:
@@ -561,7 +615,7 @@ class Store:
 
 
 _SUMMARY_COLUMNS = ("id", "name", "status", "strategy", "preset", "step", "total_steps", "headline", "attempt",
-                    "created_at", "started_at", "finished_at", "error", "seconds_per_step")
+                    "created_at", "started_at", "finished_at", "error", "seconds_per_step", "kind", "subject_id")
 
 
 def _summary(m: Any) -> RunSummary:
@@ -573,7 +627,8 @@ def _summary(m: Any) -> RunSummary:
     return RunSummary(id=m["id"], name=m["name"], status=m["status"], strategy=m["strategy"], preset=m["preset"],
                       step=step, total_steps=total, progress=(step / total) if total else 0.0, eta_seconds=eta,
                       headline=dict(m["headline"] or {}), attempt=m["attempt"], created_at=m["created_at"],
-                      started_at=m["started_at"], finished_at=m["finished_at"], error=m["error"])
+                      started_at=m["started_at"], finished_at=m["finished_at"], error=m["error"],
+                      kind=m["kind"] or s.TRAIN, subject_id=m["subject_id"])
 
 
 def _balance_row(m: Any) -> dict:

@@ -41,6 +41,42 @@ def _num(x) -> float | None:
     return None if x is None else float(x)
 
 
+def event_batch(ev: dict, run_dir: Path) -> Batch:
+    """The rows of one event (its ``to_dict()``, or a line of events.jsonl): steps and metrics, balance, samples,
+    a checkpoint (path relative to ``run_dir`` when inside it) and the run row's updates. The job's writer and
+    ``jobs import`` (jobs.importer) both turn events into rows here."""
+    kind = ev["event"]
+    batch = Batch()
+    if kind == "step":
+        row, metrics = step_rows(ev)
+        batch.steps.append(row)
+        batch.metrics.extend(metrics)
+        batch.run.update(step=ev["step"], headline=ev.get("rewards") or {})
+    elif kind == "balance":
+        row = {k: ev.get(k) for k in (
+            "step", "phase", "solver", "alpha_raw", "alpha_ema", "cosine", "cos_to_update", "grad_norms",
+            "valid", "update_norm", "solve_seconds")}
+        if ev.get("cos_to_mean") and isinstance(row["cosine"], dict):  # kept with the cosines (no new column)
+            row["cosine"] = {**row["cosine"], "to_mean": ev["cos_to_mean"]}
+        batch.balance.append(row)
+    elif kind == "samples":
+        for i, item in enumerate(ev["items"]):
+            batch.samples.append({
+                "step": ev["step"], "idx": i, "prompt": item["prompt"], "source": item.get("source"),
+                "seed": item.get("seed"), "group_id": item.get("group"), "path": item["path"],
+                "rewards": item.get("rewards"), "advantages": item.get("advantages")})
+    elif kind == "checkpoint":
+        path = Path(ev["path"])
+        try:
+            rel = str(path.resolve().relative_to(Path(run_dir).resolve()))
+        except ValueError:
+            rel = str(path)
+        batch.checkpoints.append({"step": ev["step"], "path": rel, "created_at": time.time()})
+    elif kind == "start":
+        batch.run.update(total_steps=ev["total_steps"], device=ev.get("device"), step=ev["step"])
+    return batch
+
+
 class EventWriter:
     def __init__(self, store: Store, run_id: int, run_dir: str | Path, max_pending_steps: int = 50):
         self.store = store
@@ -61,37 +97,11 @@ class EventWriter:
         t0, c0 = time.perf_counter(), time.thread_time()
         ev = event.to_dict()
         kind = ev["event"]
-        batch = Batch()
-        if kind == "step":
-            row, metrics = step_rows(ev)
-            batch.steps.append(row)
-            batch.metrics.extend(metrics)
-            batch.run.update(step=ev["step"], headline=ev.get("rewards") or {})
-            if self._started_at is not None and ev["step"] > self._start_step:
-                batch.run["seconds_per_step"] = (time.time() - self._started_at) / (ev["step"] - self._start_step)
-        elif kind == "balance":
-            row = {k: ev.get(k) for k in (
-                "step", "phase", "solver", "alpha_raw", "alpha_ema", "cosine", "cos_to_update", "grad_norms",
-                "valid", "update_norm", "solve_seconds")}
-            if ev.get("cos_to_mean") and isinstance(row["cosine"], dict):  # kept with the cosines (no new column)
-                row["cosine"] = {**row["cosine"], "to_mean": ev["cos_to_mean"]}
-            batch.balance.append(row)
-        elif kind == "samples":
-            for i, item in enumerate(ev["items"]):
-                batch.samples.append({
-                    "step": ev["step"], "idx": i, "prompt": item["prompt"], "source": item.get("source"),
-                    "seed": item.get("seed"), "group_id": item.get("group"), "path": item["path"],
-                    "rewards": item.get("rewards"), "advantages": item.get("advantages")})
-        elif kind == "checkpoint":
-            path = Path(ev["path"])
-            try:
-                rel = str(path.resolve().relative_to(self.run_dir.resolve()))
-            except ValueError:
-                rel = str(path)
-            batch.checkpoints.append({"step": ev["step"], "path": rel, "created_at": time.time()})
+        batch = event_batch(ev, self.run_dir)
+        if kind == "step" and self._started_at is not None and ev["step"] > self._start_step:
+            batch.run["seconds_per_step"] = (time.time() - self._started_at) / (ev["step"] - self._start_step)
         elif kind == "start":
             self._started_at, self._start_step = time.time(), ev["step"]
-            batch.run.update(total_steps=ev["total_steps"], device=ev.get("device"), step=ev["step"])
         with self._lock:
             self._pending.extend(batch)
             urgent = kind in ("start", "checkpoint", "end") or len(self._pending.steps) >= self.max_pending_steps

@@ -12,7 +12,7 @@ def store(web_store):
 
 
 def done_result(tag: str, prompts=("a red circle", "a blue square"), columns=("base", "step 2")) -> dict:
-    return {"status": "done", "seconds": 1.5, "rows": [
+    return {"status": "succeeded", "seconds": 1.5, "rows": [
         {"prompt": p, "seed": 0, "cells": [{"label": c, "path": f"/grids/{tag}/p{i}_c{j}.png",
                                             "scores": {"colorfulness": 0.1 * j, "brightness": float("nan")}}
                                            for j, c in enumerate(columns)]}
@@ -65,7 +65,7 @@ def test_the_tick_sends_the_grid_once_per_state(store):
     out = poll(cid, out[2], 0, 1)
     assert out[2] == ["0: a red circle (seed 0)", "1: a blue square (seed 0)"]
     assert out[4] == ("/grids/live/p0_c0.png", "/grids/live/p0_c1.png")
-    assert out[5]["choices"] == [(f"#{cid} live · done", cid)]  # the saved list shows it done
+    assert out[5]["choices"] == [(f"#{cid} live · succeeded", cid)]  # the saved list shows it done
     assert poll(cid, out[2], 0, 1) == (skip, skip, out[2], skip, skip, skip)
     failing = store.add_comparison("bad", [], result={"status": "failed", "error": "boom"})
     out = poll(failing, [], 0, 1)
@@ -77,10 +77,10 @@ def test_a_comparison_without_a_name_is_named_after_its_columns(store, monkeypat
     """Issue 18 item 3: not "Comparison #1 comparison"."""
     import json
 
-    import jobs.compare
+    import jobs.runner
     from app.pages.compare import saved_choices, start
 
-    monkeypatch.setattr(jobs.compare.subprocess, "Popen", lambda *a, **k: None)  # no generation here
+    monkeypatch.setattr(jobs.runner, "ensure_worker", lambda store: None)  # queued only: no generation here
     entries = [json.dumps({"label": label, "model": "tiny", "lora": None, "run_id": None, "rewards": []})
                for label in ("base tiny", "#3 marble · step 2")]
     md, saved = start("", entries, "a red circle", "0", 4, 1.0)

@@ -258,11 +258,13 @@ def test_evaluations_and_comparisons_round_trip(store):
     assert rows[1]["scores"] == {"colorfulness": 0.7} and rows[1]["details"] == {"n": 32}
     assert store.evaluations(b) == []
     cid = store.add_comparison("marble vs ws", [a, b], settings={"prompts": "test"}, result={"winner": a})
-    assert store.comparisons() == [{"id": cid, "name": "marble vs ws", "run_ids": [a, b],
+    assert store.comparisons() == [{"id": cid, "name": "marble vs ws", "run_ids": [a, b], "job_id": None,
                                     "settings": {"prompts": "test"}, "result": {"winner": a},
                                     "created_at": store.comparisons()[0]["created_at"]}]
-    store.update_comparison(cid, {"status": "done", "rows": [1, 2]})
-    assert store.get_comparison(cid)["result"] == {"status": "done", "rows": [1, 2]}
+    store.update_comparison(cid, {"status": "succeeded", "rows": [1, 2]})
+    assert store.get_comparison(cid)["result"] == {"status": "succeeded", "rows": [1, 2]}
+    store.update_comparison(cid, job_id=b)  # the compare job that makes it; the result stays
+    assert store.get_comparison(cid)["job_id"] == b and store.get_comparison(cid)["result"]["rows"] == [1, 2]
     with pytest.raises(LookupError):
         store.get_comparison(cid + 1)
 

@@ -1,5 +1,6 @@
 """Compare: checkpoints of any runs (and base models) side by side on prompts with fixed seeds, generated
-in a background job; per-image reward scores; an A/B image slider; saved grids can be reopened."""
+by a job of the worker's queue (jobs.compare: a slot, Cancel, interrupted after a crash, the runs' status words);
+per-image reward scores; an A/B image slider; saved grids can be reopened."""
 
 from __future__ import annotations
 
@@ -37,13 +38,16 @@ def entry_choices() -> list[tuple[str, str]]:
 
 
 def saved_choices() -> list[tuple[str, int]]:
-    return [(f"#{c['id']} {c['name']} · {(c.get('result') or {}).get('status', '?')}", c["id"])
-            for c in reversed(context.store().comparisons())]
+    from jobs.compare import status_of
+
+    store = context.store()
+    return [(f"#{c['id']} {c['name']} · {status_of(store, c)[0]}", c["id"]) for c in reversed(store.comparisons())]
 
 
 def start(name: str, picked: list[str], prompts_text: str, seeds_text: str, steps: float,
           guidance: float) -> tuple[str, Any]:
     from jobs.compare import start_comparison
+    from jobs.runner import ensure_worker
 
     try:
         seeds = [int(s) for s in seeds_text.replace(",", " ").split()]
@@ -58,7 +62,23 @@ def start(name: str, picked: list[str], prompts_text: str, seeds_text: str, step
                                int(steps), float(guidance))
     except ValueError as e:
         return f"**Not started.** `{e}`", gr.skip()
-    return f"Comparison **#{cid}** generating in the background…", gr.update(choices=saved_choices(), value=cid)
+    ensure_worker(context.store())
+    return (f"Comparison **#{cid}** queued: the worker generates it (Cancel stops it).",
+            gr.update(choices=saved_choices(), value=cid))
+
+
+def cancel(comparison_id: Any) -> str:
+    """Cancel's click: stop the shown comparison's job (queued: at once; running: after the entry it generates)."""
+    from jobs.compare import cancel_comparison
+
+    if comparison_id is None:
+        return "Pick a saved comparison first."
+    try:
+        status = cancel_comparison(context.store(), int(comparison_id))
+    except (ValueError, LookupError) as e:
+        return f"**Not cancelled.** `{e}`"
+    return (f"Comparison #{comparison_id} cancelled before it started." if status == "cancelled" else
+            f"Comparison #{comparison_id}: stop requested; it stops after the column it is generating.")
 
 
 def grid(comparison_id: Any, a: int = 0, b: int = 1) -> tuple[str, Any, list[str], Any, Any]:
@@ -68,13 +88,22 @@ def grid(comparison_id: Any, a: int = 0, b: int = 1) -> tuple[str, Any, list[str
     and the slider would keep the previous comparison's images."""
     if comparison_id is None:
         return EMPTY, "", [], gr.update(choices=[], value=None), None
-    row = context.store().get_comparison(int(comparison_id))
+    from jobs.compare import status_of
+
+    store = context.store()
+    row = store.get_comparison(int(comparison_id))
     result = row.get("result") or {}
-    status = result.get("status", "queued")
-    if status == "failed":
-        return f"**Failed:** `` {result.get('error')} ``", "", [], gr.update(choices=[], value=None), None
-    if status != "done":
-        return (f"Comparison #{row['id']} is **{status}** — the grid appears when it is done.", "", [],
+    status, error, job = status_of(store, row)
+    if status in ("failed", "interrupted"):
+        last = (error or "").strip().splitlines()[:1]
+        return (f"**{status.capitalize()}:** `` {last[0] if last else 'no reason recorded'} ``"
+                + (f" (job #{job.id}'s log on the Runs page)" if job is not None else ""), "", [],
+                gr.update(choices=[], value=None), None)
+    if status != "succeeded" or not result.get("rows"):
+        progress = f" ({job.step}/{job.total_steps} columns)" if job is not None and status == "running" else ""
+        after = ("Resume it on the Runs page to generate it." if status == "cancelled" else
+                 "the grid appears when it is done.")
+        return (f"Comparison #{row['id']} is **{status}**{progress} — {after}", "", [],
                 gr.update(choices=[], value=None), None)
     labels = [f"{i}: {r['prompt']} (seed {r['seed']})" for i, r in enumerate(result["rows"])]
     n = len(result["rows"][0]["cells"]) if result["rows"] else 1
@@ -117,7 +146,7 @@ def slider_pair(comparison_id: Any, row_label: str | None, a: int, b: int) -> An
     if comparison_id is None or not row_label:
         return None
     result = context.store().get_comparison(int(comparison_id)).get("result") or {}
-    if result.get("status") != "done":
+    if not result.get("rows"):
         return None
     cells = result["rows"][int(row_label.split(":", 1)[0])]["cells"]
     a, b = min(int(a or 0), len(cells) - 1), min(int(b or 0), len(cells) - 1)
@@ -135,7 +164,7 @@ def poll(comparison_id: Any, shown: Any, a: int, b: int) -> tuple[Any, ...]:
     key = labels or md
     if key == shown:
         return skip, skip, shown, skip, skip, skip
-    finished = bool(labels) or md.startswith("**Failed")
+    finished = bool(labels) or md.startswith(("**Failed", "**Interrupted")) or "is **cancelled**" in md
     return md, items, key, rows, pair, gr.update(choices=saved_choices()) if finished else skip
 
 
@@ -154,7 +183,9 @@ def build(timer: gr.Timer) -> dict:
             steps = gr.Number(label="Denoising steps", value=10, precision=0)
             guidance = gr.Number(label="Guidance scale", value=1.0)
             go_btn = gr.Button("Generate side by side", variant="primary", elem_id="compare-start")
+            cancel_btn = gr.Button("Cancel", variant="stop", elem_id="compare-cancel")
     status = gr.Markdown(EMPTY, elem_id="compare-status")
+    message = gr.Markdown("", elem_id="compare-message")
     saved = gr.Dropdown(choices=[], label="Saved comparisons", elem_id="compare-saved")
     gallery = gr.HTML(label="Grid (one row per prompt and seed, one column per checkpoint)",
                       elem_id="compare-gallery")
@@ -168,6 +199,7 @@ def build(timer: gr.Timer) -> dict:
     refresh.click(lambda: (gr.update(choices=entry_choices()), gr.update(choices=saved_choices())), None,
                   [picked, saved])
     go_btn.click(start, [name, picked, prompts, seeds, steps, guidance], [status, saved])
+    cancel_btn.click(cancel, saved, message)
     outs = [status, gallery, done, row_pick, slider]
     saved.change(grid, [saved, a_idx, b_idx], outs)
 
