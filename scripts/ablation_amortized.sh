@@ -13,6 +13,6 @@ one() {  # form seed
     --out $out $resume --quiet > $out.log 2>&1
 }
 mkdir -p runs/ablation-amortized
-for s in 0 1 2 3; do
+for s in ${SEEDS:-0 1 2 3}; do
   one masked $s & one authors $s & wait
 done
