@@ -87,3 +87,14 @@ def test_a_comparison_without_a_name_is_named_after_its_columns(store, monkeypat
     cid = saved["value"]
     assert md.startswith(f"Comparison **#{cid}**")
     assert saved_choices()[0] == (f"#{cid} base tiny vs #3 marble · step 2 · queued", cid)
+    # its compare job is a row of the runs table, but not a run with checkpoints to pick
+    from app.pages.compare import entry_choices
+    from jobs import schema as s
+
+    assert [r.kind for r in context_store().list_runs()] == [s.COMPARE] and entry_choices() == []
+
+
+def context_store():
+    from app import context
+
+    return context.store()

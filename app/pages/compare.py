@@ -22,7 +22,7 @@ def entry_choices() -> list[tuple[str, str]]:
     """("#3 marble · step 200", json entry) for every checkpoint, plus each run model's base model."""
     store = context.store()
     choices, bases = [], {}
-    for run in store.list_runs():
+    for run in store.list_runs(kind="train"):  # evaluate and compare jobs have no checkpoints of their own
         detail = store.get_run(run.id)
         cfg = detail.config
         common = {"model": cfg["model"]["name"], "resolution": cfg["sampling"]["resolution"],

@@ -9,6 +9,7 @@ from typing import Any
 import gradio as gr
 
 from app import context, plots
+from app.pages import evaluate as evaluation
 from jobs.storage import RunNotFound
 
 MAX_POINTS = 600  # per metric key (~1 point per 2 px of a wide plot): beyond, the series is re-read down-sampled
@@ -173,6 +174,7 @@ def build(timer: gr.Timer) -> dict:
         smoothing = gr.Slider(0, 0.98, value=0.6, step=0.02, label="Reward smoothing", scale=2)
         reload_btn = gr.Button("Reload runs", scale=1, elem_id="dash-reload")
     head = gr.Markdown(PICK, elem_id="dash-header")
+    evaluation.build(run_box, timer)  # the held-out evaluation panel: Evaluate, its progress, the stored scores
     reward_plot = gr.Plot(label="Rewards", elem_id="plot-rewards")
     alpha_plot = gr.Plot(label="α", elem_id="plot-alpha")
     with gr.Row():

@@ -11,6 +11,7 @@ import gradio as gr
 import pandas as pd
 
 from app import context
+from app.pages import evaluate
 from app.forms import FormField, config_form_values
 from jobs.storage import RunNotFound, TransitionError
 
@@ -35,7 +36,7 @@ def runs_table() -> pd.DataFrame:
                             if isinstance(v, (int, float)) and math.isfinite(v))
         rows.append([r.id, r.name or "", r.status, f"{r.step}/{r.total_steps} ({100 * r.progress:.0f}%)",
                      context.fmt_seconds(r.eta_seconds) if r.status == "running" else "", duration(r, now),
-                     r.strategy, rewards,
+                     r.strategy if r.kind == "train" else r.kind, rewards,
                      time.strftime("%m-%d %H:%M", time.localtime(r.created_at))])
     return pd.DataFrame(rows, columns=COLUMNS)
 
@@ -103,7 +104,7 @@ def confirm_delete(pending: Any, run_id: Any) -> tuple[str, Any, Any, Any]:
     if pending is None or run_id is None or int(pending) != int(run_id):
         return "Nothing deleted: the picked run changed. Press Delete again.", hidden, None, gr.skip()
     message = act("delete", pending)
-    choices = context.run_choices()
+    choices = context.job_choices()
     deleted = all(rid != int(pending) for _, rid in choices)
     return message, hidden, None, gr.update(choices=choices, value=None) if deleted else gr.skip()
 
@@ -187,6 +188,7 @@ def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dic
         dup_btn = gr.Button("Duplicate with changes", elem_id="run-duplicate", scale=1)
         delete_btn = gr.Button("Delete", elem_id="run-delete", scale=1)
     with gr.Row():
+        eval_btn = gr.Button("Evaluate", elem_id="run-evaluate", scale=1)  # held-out scores: app/pages/evaluate.py
         export_btn = gr.Button("Export for the Hub", elem_id="run-export", scale=1)
         export_repo = gr.Textbox(label="Push to Hub repo (optional, needs a token): user/name", elem_id="run-export-repo",
                                  scale=3)
@@ -205,7 +207,7 @@ def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dic
             return previous, gr.skip(), gr.skip(), log_text, gr.skip()
         empty = df.empty
         # the picker's choices carry status and step: re-sent with the pick so its shown label follows the table
-        choices = context.run_choices()
+        choices = context.job_choices()  # every job: an evaluation or a comparison is cancelled and read here too
         value = run_id if run_id in [c[1] for c in choices] else None
         return (key, df if not empty else pd.DataFrame([["", "No runs yet: start one in New run.", *[""] * 7]],
                                                        columns=COLUMNS),
@@ -220,6 +222,7 @@ def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dic
     resume_btn.click(lambda r, n: act("resume", r, n), [pick, resume_to], message)
     delete_btn.click(ask_delete, pick, [message, confirm_btn, pending])
     export_btn.click(export_for_hub, [pick, export_repo], message)
+    eval_btn.click(lambda r: evaluate.queue(r), pick, message)
     confirm_btn.click(confirm_delete, [pending, pick], [message, confirm_btn, pending, pick])
     dup_outputs = [new_run["preset"], new_run["name"], *new_run["widgets"], *new_run["extras"]]
     dup_btn.click(lambda r: duplicate_values(r, new_run["fields"]) if r is not None else [gr.skip()] * len(
