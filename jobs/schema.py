@@ -76,6 +76,8 @@ runs = Table(
     Column("cancel_requested_at", Float),
     Column("exit_code", Integer),
     Column("error", Text),  # failed / interrupted: what went wrong, shown verbatim
+    Column("tags", JSON),  # the researcher's labels, a list of short strings (NULL = none); Runs page filter
+    Column("notes", Text),  # the researcher's free text about the run
     Index(None, "status"),
 )
 

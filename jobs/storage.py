@@ -28,6 +28,7 @@ from jobs import schema as s
 from jobs.paths import LOG_FILE, data_home, database_url, run_folder_name
 
 BUSY_TIMEOUT_SECONDS = 60.0
+MAX_TAGS, MAX_TAG_CHARS, MAX_NOTES_CHARS = 16, 40, 5000  # a run's tags and notes (set_annotations)
 MIGRATIONS = Path(__file__).parent / "migrations"
 _PER_STEP_TABLES = (s.metrics, s.steps, s.balance, s.samples, s.checkpoints)
 
@@ -62,6 +63,7 @@ class RunSummary:
     error: str | None
     kind: str = s.TRAIN  # train / evaluate / compare (jobs.schema.KINDS)
     subject_id: int | None = None  # an evaluate job: the training run it scores
+    tags: list[str] = field(default_factory=list)  # the researcher's labels (Runs page)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -88,6 +90,7 @@ class RunDetail(RunSummary):
     cancel_requested: bool = False
     cancel_requested_at: float | None = None
     exit_code: int | None = None
+    notes: str | None = None  # the researcher's free text
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -376,6 +379,27 @@ class Store:
         """Stamp heartbeat_at alone; returns the stop flag (the job's fallback when a batch fails)."""
         return self.write_batch(run_id, Batch(), heartbeat=True)
 
+    def set_annotations(self, run_id: int, tags: Sequence[str] | None = None, notes: str | None = None) -> None:
+        """Replace a run's tags and notes (any state: they are the researcher's, not the job's). A tag is
+        trimmed; duplicates are dropped; an empty notes text is stored as none. Raises ValueError naming the
+        value and the rule it breaks, RunNotFound for an unknown run."""
+        clean: list[str] = []
+        for tag in tags or []:
+            t = str(tag).strip()
+            if not t or len(t) > MAX_TAG_CHARS or "," in t:
+                raise ValueError(f"tag {t!r}: a tag is 1 to {MAX_TAG_CHARS} characters without a comma")
+            if t not in clean:
+                clean.append(t)
+        if len(clean) > MAX_TAGS:
+            raise ValueError(f"tags ({len(clean)} of them): at most {MAX_TAGS} per run")
+        text_ = (notes or "").strip() or None
+        if text_ is not None and len(text_) > MAX_NOTES_CHARS:
+            raise ValueError(f"notes ({len(text_)} characters): at most {MAX_NOTES_CHARS} characters")
+        with self._tx() as conn:
+            done = conn.execute(update(s.runs).where(s.runs.c.id == run_id).values(tags=clean or None, notes=text_))
+        if done.rowcount == 0:
+            raise RunNotFound(run_id)
+
     def add_evaluation(self, run_id: int, name: str, scores: dict, checkpoint_step: int | None = None,
                        details: dict | None = None) -> int:
         with self._tx() as conn:
@@ -460,7 +484,7 @@ class Store:
                          num_nodes=m["num_nodes"], heartbeat_at=m["heartbeat_at"], pid=m["pid"], pgid=m["pgid"],
                          host=m["host"], proc_key=m["proc_key"], devices=m["devices"],
                          cancel_requested=bool(m["cancel_requested"]),
-                         cancel_requested_at=m["cancel_requested_at"], exit_code=m["exit_code"])
+                         cancel_requested_at=m["cancel_requested_at"], exit_code=m["exit_code"], notes=m["notes"])
 
     def run_dir(self, run_id: int) -> Path:
         with self._read.connect() as conn:
@@ -542,11 +566,14 @@ class Store:
             q = select(s.balance).where(*where).order_by(b.step)
             return [_balance_row(r._mapping) for r in conn.execute(q)]
 
-    def samples(self, run_id: int, step: int | None = None, since_step: int = 0) -> list[dict]:
-        """Samples of one ``step``, or of every step after ``since_step``: prompt, source, seed, group,
-        per-reward scores and advantages, and ``image`` (absolute path)."""
+    def samples(self, run_id: int, step: int | None = None, since_step: int = 0,
+                prompt: str | None = None) -> list[dict]:
+        """Samples of one ``step``, or of every step after ``since_step`` (only those of ``prompt`` when given):
+        prompt, source, seed, group, per-reward scores and advantages, and ``image`` (absolute path)."""
         t = s.samples.c
         where = [t.run_id == run_id] + ([t.step == step] if step is not None else [t.step > since_step])
+        if prompt is not None:
+            where.append(t.prompt == prompt)
         run_dir = self.run_dir(run_id)
         q = select(s.samples).where(*where).order_by(t.step, t.idx)
         with self._read.connect() as conn:
@@ -559,6 +586,15 @@ class Store:
                 d["image"] = str(run_dir / d["path"])
                 out.append(d)
             return out
+
+    def sample_prompts(self, run_id: int) -> list[tuple[str, int]]:
+        """(prompt, number of sample steps it appears at), most frequent first (then first seen)."""
+        t = s.samples.c
+        n = func.count(t.step.distinct())
+        q = (select(t.prompt, n).where(t.run_id == run_id).group_by(t.prompt)
+             .order_by(n.desc(), func.min(t.step), func.min(t.idx)))
+        with self._read.connect() as conn:
+            return [(p, int(c)) for p, c in conn.execute(q)]
 
     def sample_steps(self, run_id: int) -> list[int]:
         t = s.samples.c
@@ -615,7 +651,8 @@ class Store:
 
 
 _SUMMARY_COLUMNS = ("id", "name", "status", "strategy", "preset", "step", "total_steps", "headline", "attempt",
-                    "created_at", "started_at", "finished_at", "error", "seconds_per_step", "kind", "subject_id")
+                    "created_at", "started_at", "finished_at", "error", "seconds_per_step", "kind", "subject_id",
+                    "tags")
 
 
 def _summary(m: Any) -> RunSummary:
@@ -628,7 +665,7 @@ def _summary(m: Any) -> RunSummary:
                       step=step, total_steps=total, progress=(step / total) if total else 0.0, eta_seconds=eta,
                       headline=dict(m["headline"] or {}), attempt=m["attempt"], created_at=m["created_at"],
                       started_at=m["started_at"], finished_at=m["finished_at"], error=m["error"],
-                      kind=m["kind"] or s.TRAIN, subject_id=m["subject_id"])
+                      kind=m["kind"] or s.TRAIN, subject_id=m["subject_id"], tags=list(m["tags"] or []))
 
 
 def _balance_row(m: Any) -> dict:

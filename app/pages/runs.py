@@ -11,13 +11,15 @@ import gradio as gr
 import pandas as pd
 
 from app import context
-from app.pages import evaluate
+from app.pages import evaluate, run_details
 from app.forms import FormField, config_form_values
 from jobs.storage import RunNotFound, TransitionError
 
 # A newly picked run's log opens at its newest line (the textbox's own autoscroll follows only later changes).
 SCROLL_LOG_TO_END = "() => { const t = document.querySelector('#run-log textarea'); if (t) t.scrollTop = t.scrollHeight; }"
-COLUMNS = ["id", "name", "status", "progress", "ETA", "duration", "strategy", "rewards (latest mean)", "created"]
+ALL_TAGS = "(all runs)"
+COLUMNS = ["id", "name", "status", "progress", "ETA", "duration", "strategy", "rewards (latest mean)", "tags",
+           "created"]
 
 
 def duration(r: Any, now: float | None = None) -> str:
@@ -29,14 +31,17 @@ def duration(r: Any, now: float | None = None) -> str:
     return text + (f" (attempt {r.attempt})" if r.attempt > 1 else "")
 
 
-def runs_table() -> pd.DataFrame:
+def runs_table(tag: str | None = None) -> pd.DataFrame:
+    """Every run, newest first; only those tagged ``tag`` when one is given."""
     rows, now = [], time.time()
     for r in context.store().list_runs():
+        if tag and tag not in r.tags:
+            continue
         rewards = ", ".join(f"{k} {v:.3g}" for k, v in (r.headline or {}).items()
                             if isinstance(v, (int, float)) and math.isfinite(v))
         rows.append([r.id, r.name or "", r.status, f"{r.step}/{r.total_steps} ({100 * r.progress:.0f}%)",
                      context.fmt_seconds(r.eta_seconds) if r.status == "running" else "", duration(r, now),
-                     r.strategy if r.kind == "train" else r.kind, rewards,
+                     r.strategy if r.kind == "train" else r.kind, rewards, ", ".join(r.tags),
                      time.strftime("%m-%d %H:%M", time.localtime(r.created_at))])
     return pd.DataFrame(rows, columns=COLUMNS)
 
@@ -177,6 +182,11 @@ def row_pick(evt: gr.SelectData) -> Any:
 
 def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dict:
     last = gr.State("")
+    with gr.Row():
+        tag_filter = gr.Dropdown(choices=[ALL_TAGS], value=ALL_TAGS, label="Show runs tagged",
+                                 elem_id="runs-tag-filter", scale=1)
+        gr.Markdown("Tag runs below the actions (Tags, notes and config); pick a tag here to list only its runs.",
+                    elem_id="runs-tag-hint")
     table = gr.Dataframe(value=None, headers=COLUMNS, interactive=False, elem_id="runs-table", wrap=True)
     with gr.Row():
         pick = gr.Dropdown(choices=[], label="Run", elem_id="runs-pick", scale=3)
@@ -199,24 +209,36 @@ def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dic
     pending = gr.State(None)
     log = gr.Textbox(label="Job log (last 60 lines)", lines=12, max_lines=12, interactive=False, elem_id="run-log")
 
-    def on_tick(previous, run_id):
-        df = runs_table()
-        key = df.to_json()
+    def on_tick(previous, run_id, tag):
+        tag = None if tag in (None, ALL_TAGS) else tag
+        df = runs_table(tag)
+        key = f"{tag}:{df.to_json()}"
         log_text = _log(run_id) if run_id is not None else gr.skip()
         if key == previous:
-            return previous, gr.skip(), gr.skip(), log_text, gr.skip()
+            return previous, gr.skip(), gr.skip(), log_text, gr.skip(), gr.skip()
         empty = df.empty
-        # the picker's choices carry status and step: re-sent with the pick so its shown label follows the table
+        # the picker's choices carry status and step: re-sent so its shown label follows the table
         choices = context.job_choices()  # every job: an evaluation or a comparison is cancelled and read here too
-        value = run_id if run_id in [c[1] for c in choices] else None
-        return (key, df if not empty else pd.DataFrame([["", "No runs yet: start one in New run.", *[""] * 7]],
-                                                       columns=COLUMNS),
-                gr.update(choices=choices, value=value), log_text, cancel_state(run_id))
+        # the value is sent only to drop a run that is gone: a tick that re-sent the pick from the State raced a
+        # fresh pick (its change event had not reached the State yet) and cleared it
+        gone = run_id is not None and run_id not in [c[1] for c in choices]
+        none = f"No run is tagged {tag!r}." if tag else "No runs yet: start one in New run."
+        tags = run_details.all_tags()
+        return (key, df if not empty else pd.DataFrame([["", none, *[""] * (len(COLUMNS) - 2)]], columns=COLUMNS),
+                gr.update(choices=choices, value=None) if gone else gr.update(choices=choices), log_text,
+                cancel_state(run_id),
+                gr.update(choices=[ALL_TAGS, *tags]) if tag is None or tag in tags else
+                gr.update(choices=[ALL_TAGS, *tags], value=ALL_TAGS))
 
     # the tick reads the pick from a State: a dropdown input is checked against its choices, and a tick
     # racing a choices update (a run just deleted) raised "not in the list of choices"
     picked = gr.State(None)
-    timer.tick(on_tick, [last, picked], [last, table, pick, log, cancel_btn], show_progress="hidden")
+    tag_picked = gr.State(ALL_TAGS)  # the filter, read by the tick from a State for the same reason
+    tick_outputs = [last, table, pick, log, cancel_btn, tag_filter]
+    timer.tick(on_tick, [last, picked, tag_picked], tick_outputs, show_progress="hidden")
+    tag_filter.input(lambda t: (t, ""), tag_filter, [tag_picked, last])  # the next tick redraws the table
+    details = run_details.build(pick)
+    details["saved"].click(lambda: "", None, last)  # a saved tag shows in the table and the filter at the next tick
     table.select(row_pick, None, pick)  # a click on a row picks its run
     cancel_btn.click(lambda r: act("cancel", r), pick, message)
     resume_btn.click(lambda r, n: act("resume", r, n), [pick, resume_to], message)
