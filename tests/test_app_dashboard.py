@@ -7,7 +7,9 @@ import pytest
 from jobs.writer import EventWriter
 from tests.jobs_support import REWARDS, balance_event, sample_event, start_event, step_event
 
-OUTPUTS = ["cache", "header", "rewards", "alpha", "cosine", "conflict", "cos_step", "sample_step", "gallery", "spec"]
+from app.pages.dashboard import View  # noqa: E402  (the outputs' names, in order)
+
+OUTPUTS = View.names()
 
 
 @pytest.fixture
@@ -65,15 +67,14 @@ def test_a_tick_moves_the_gallery_to_new_samples_and_leaves_it_alone_otherwise(s
 
     run_id, writer = make_run(store, "live", [1])
     out = shown(select_run(run_id, 0.6))
-    cache = out["cache"]
     writer(step_event(2))
     writer.flush()
-    out = shown(tick(cache, 0.6))  # a new step, no new samples: the gallery is not re-sent
-    assert out["rewards"] != gr.skip() and all(out[k] == gr.skip() for k in ("sample_step", "gallery", "spec"))
+    out = shown(tick(out["state"], 0.6))  # a new step, no new samples: the gallery is not re-sent
+    assert out["rewards"] != gr.skip() and all(out[k] == gr.skip() for k in ("sample_step", "gallery", "spec", "strip"))
     writer(step_event(3))
     add_samples(store, writer, run_id, 3)
     writer.flush()
-    out = shown(tick(out["cache"], 0.6))
+    out = shown(tick(out["state"], 0.6))
     assert out["sample_step"]["value"] == 3 and out["sample_step"]["choices"] == [1, 3]
     assert [img for img, _ in out["gallery"]] == [s["image"] for s in store.samples(run_id, step=3)]
 
@@ -100,10 +101,10 @@ def test_a_run_deleted_while_shown_gets_a_message_once_not_an_error_every_tick(s
     store.claim(run_id)
     store.finish(run_id, s.SUCCEEDED)
     store.delete_run(run_id)
-    out = shown(tick(out["cache"], 0.6))
+    out = shown(tick(out["state"], 0.6))
     assert out["header"].startswith(f"Run #{run_id} no longer exists") and out["gallery"] == []
     assert f"Run #{run_id} was deleted." in out["rewards"].layout.annotations[0].text
-    again = tick(out["cache"], 0.6)
+    again = tick(out["state"], 0.6)
     assert all(x == gr.skip() for x in again[1:])  # said once; later ticks send nothing
     assert shown(select_run(run_id, 0.6))["header"].startswith(f"Run #{run_id} no longer exists")
 

@@ -1,218 +1,295 @@
 """Run dashboard, live while the run trains: one timer, incremental reads, figures replaced only when
-new rows arrived (so nothing flickers), ``uirevision`` keeps the user's zoom."""
+new rows arrived (so nothing flickers), ``uirevision`` keeps the user's zoom.
+
+What the page holds between events is one typed object, :class:`DashState`, in a ``gr.State``; what a
+handler sends back is one :class:`View`, whose fields name the components (no positions to count)."""
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass, field, fields
+from html import escape
 from typing import Any
 
 import gradio as gr
 
 from app import context, plots
-from app.pages import evaluate as evaluation
+from app.pages import evaluate as evaluation, progression
+from app.series import MAX_POINTS, RunSeries, reward_names_of
 from jobs.storage import RunNotFound
 
-MAX_POINTS = 600  # per metric key (~1 point per 2 px of a wide plot): beyond, the series is re-read down-sampled
 REFRESH_SECONDS = 2.0
 PICK = "Pick a run. Runs appear here as soon as they are queued (start one in New run, then Reload runs)."
+ALPHA_HELP = ("**K** is the number of rewards; 1/K is equal weighting. **α\\*** (circles) are the weights the "
+              "min-norm solve gives each reward's (normalized) gradient on a harmonized step: the shortest mix of "
+              "them, a direction that no reward's gradient points against. **ᾱ** (lines) is their running "
+              "average, ᾱ ← ρ·ᾱ + (1−ρ)·α\\*, with **ρ** = balance.ema_rho (closer to 1: smoother, slower); "
+              "the steps in between (amortized) train with ᾱ. Dotted: the α each step actually applied.")
+COSINE_HELP = ("Cosine between two rewards' gradients at one diagnosed step: +1 they pull the same way, 0 "
+               "unrelated, below 0 they pull against each other. The slider picks the training step (it snaps to "
+               "the diagnosed step at or before it).")
 
 
-# ---- incremental cache ----------------------------------------------------------------------------
+@dataclass
+class DashState:
+    """The picked run as the page shows it: its series, its balance rows, what the user chose."""
 
-def new_cache(run_id: int | None) -> dict:
-    return {"run_id": run_id, "series": {}, "last_step": 0, "balance": [], "last_balance": 0, "points": 0}
+    run_id: int | None = None
+    gone: bool = False  # the run was deleted while shown (said once, then nothing is sent)
+    data: RunSeries | None = None
+    balance: list[dict] = field(default_factory=list)
+    last_balance: int = 0  # the step after which the next balance read starts
+    sample_steps: list[int] | None = None  # as last sent to the page (None: nothing sent yet)
+    cos_follow: bool = True  # the cosine heatmap follows the newest diagnosed step
+    cos_step: int | None = None  # else: the training step the user chose
+    strip_prompt: str | None = None  # the progression strip's prompt (None: the most sampled one)
+
+    @property
+    def names(self) -> list[str]:
+        return self.data.names if self.data else []
 
 
-def refresh_cache(cache: dict | None, run_id: int) -> tuple[dict, bool]:
-    """Read what is new since the last refresh; returns (cache, changed). The first read of a long run
-    is down-sampled to MAX_POINTS steps per key; later reads append only the new steps."""
-    store = context.store()
-    if not cache or cache.get("run_id") != run_id:
-        cache = new_cache(run_id)
-        series = store.metrics(run_id, keys=plotted_keys(run_id), max_points=MAX_POINTS)
-        cache["series"] = {k: (list(x), list(y)) for k, (x, y) in series.by_key().items()}
-        cache["last_step"] = series.last_step
-        cache["balance"] = store.balance(run_id, max_points=MAX_POINTS)
-        cache["last_balance"] = cache["balance"][-1]["step"] if cache["balance"] else 0
-        cache["points"] = max((len(x) for x, _ in cache["series"].values()), default=0)
-        return cache, True
-    series = store.metrics(run_id, since_step=cache["last_step"], keys=plotted_keys(run_id))
-    rows = store.balance(run_id, since_step=cache["last_balance"])
-    if not series.rows and not rows:
-        return cache, False
-    for key, (xs, ys) in series.by_key().items():
-        old = cache["series"].setdefault(key, ([], []))
-        old[0].extend(xs)
-        old[1].extend(ys)
-    cache["last_step"] = max(cache["last_step"], series.last_step)
-    cache["balance"].extend(rows)
+@dataclass
+class View:
+    """What one handler sends: a field per output component, in the order of ``View.components``;
+    ``gr.skip()`` leaves a component as it is."""
+
+    state: DashState
+    header: Any = field(default_factory=gr.skip)
+    rewards: Any = field(default_factory=gr.skip)
+    alpha: Any = field(default_factory=gr.skip)
+    cosine: Any = field(default_factory=gr.skip)
+    conflict: Any = field(default_factory=gr.skip)
+    cos_step: Any = field(default_factory=gr.skip)
+    strip_prompt: Any = field(default_factory=gr.skip)
+    strip: Any = field(default_factory=gr.skip)
+    sample_step: Any = field(default_factory=gr.skip)
+    gallery: Any = field(default_factory=gr.skip)
+    spec: Any = field(default_factory=gr.skip)
+
+    @staticmethod
+    def names() -> list[str]:
+        return [f.name for f in fields(View)]
+
+    def outputs(self) -> tuple:
+        return tuple(getattr(self, n) for n in self.names())
+
+
+# ---- reads ---------------------------------------------------------------------------------------
+
+def load(run_id: int) -> DashState:
+    """The first read of a run: every series down-sampled to MAX_POINTS steps, its balance rows likewise."""
+    state = DashState(run_id=run_id, data=RunSeries.load(run_id))
+    state.balance = context.store().balance(run_id, max_points=MAX_POINTS)
+    state.last_balance = state.balance[-1]["step"] if state.balance else 0
+    return state
+
+
+def refresh(state: DashState) -> bool:
+    """Read what is new since the last refresh into ``state``; True when anything was."""
+    assert state.run_id is not None and state.data is not None
+    changed = state.data.update()
+    rows = context.store().balance(state.run_id, since_step=state.last_balance)
     if rows:
-        cache["last_balance"] = rows[-1]["step"]
-    cache["points"] = max((len(x) for x, _ in cache["series"].values()), default=0)
-    if cache["points"] > 2 * MAX_POINTS:  # keep the browser light on very long runs
-        return refresh_cache(None, run_id)
-    return cache, True
-
-
-def plotted_keys(run_id: int) -> list[str]:
-    """The metric keys the dashboard draws: each reward's mean and its applied α."""
-    return [f"{prefix}/{n}" for n in reward_names(run_id) for prefix in ("reward", "alpha")]
+        state.balance.extend(rows)
+        state.last_balance = rows[-1]["step"]
+        if len(state.balance) > 2 * MAX_POINTS:  # as the series: re-read down-sampled
+            state.balance = context.store().balance(state.run_id, max_points=MAX_POINTS)
+    return changed or bool(rows)
 
 
 def reward_names(run_id: int) -> list[str]:
-    return [r["name"] for r in context.store().get_run(run_id).config.get("rewards", [])]
+    return reward_names_of(context.store().get_run(run_id).config)
+
+
+def error_html(error: str) -> str:
+    """A failed run's error, whole (a traceback: its last line, the message), escaped: backticks or markup in
+    it (an `hf download ...` hint) are shown as written, never taken as formatting."""
+    text = error.strip()
+    if "Traceback (most recent call last)" in text:
+        text = text.splitlines()[-1]
+    return f"<div class='run-error'><b>Error:</b> {escape(text)}</div>"
 
 
 def header(run_id: int) -> str:
     r = context.store().get_run(run_id)
     pct = 100 * r.progress
     eta = f" · ETA {context.fmt_seconds(r.eta_seconds)}" if r.eta_seconds is not None else ""
-    err = f"\n\n**Error:** `{r.error.strip().splitlines()[-1]}`" if r.error else ""
+    tags = f" · tags: {', '.join(r.tags)}" if r.tags else ""
+    err = f"\n\n{error_html(r.error)}" if r.error else ""
     bar = (f"<div class='progress-outer'><div class='progress-inner' style='width:{pct:.1f}%'></div></div>")
     return (f"### #{r.id} {r.name or ''} — {r.status}\n{r.strategy} · step {r.step}/{r.total_steps} "
-            f"({pct:.0f}%){eta} · {r.device or 'device n/a'}{err}\n\n{bar}")
+            f"({pct:.0f}%){eta} · {r.device or 'device n/a'}{tags}{err}\n\n{bar}")
 
 
-def figures(cache: dict, names: list[str], smoothing: float, cos_index: int | None) -> tuple[Any, ...]:
-    rows = cache["balance"]
-    cos_row = rows[-1] if rows and cos_index is None else (rows[min(cos_index, len(rows) - 1)] if rows else None)
-    return (plots.reward_curves(cache["series"], names, smoothing),
-            plots.alpha_trajectories(rows, cache["series"], names),
-            plots.cosine_heatmap(cos_row),
-            plots.conflict_panels(rows, names))
+def cos_row(state: DashState) -> dict | None:
+    """The balance row the heatmap shows: the newest, or the last diagnosed at or before the chosen step."""
+    rows = state.balance
+    if not rows:
+        return None
+    if state.cos_follow or state.cos_step is None:
+        return rows[-1]
+    before = [r for r in rows if r["step"] <= state.cos_step]
+    return before[-1] if before else rows[0]
 
 
-def gallery_items(run_id: int, step: int | None) -> tuple[list, Any]:
-    """The gallery's (image, caption) items and the specialist-structure heatmap of one sample step
-    (the newest when ``step`` is not one of the run's sample steps)."""
-    store = context.store()
-    steps = store.sample_steps(run_id)
-    if not steps:
-        return [], plots.empty_figure("Specialist structure",
-                                      "No samples stored yet: a run saves them every sample_every steps.")
-    step = step if step in steps else steps[-1]
-    samples = store.samples(run_id, step=step)
-    names = reward_names(run_id)
-    items = []
-    for s in samples:
-        scores = " · ".join(f"{n[:10]} {v:.3g}" for n in names
-                            if isinstance(v := (s.get("rewards") or {}).get(n), (int, float)) and math.isfinite(v))
-        items.append((s["image"], f"{s['prompt']} (seed {s['seed']})\n{scores}"))
-    return items, plots.specialist_structure(samples, names)
+def cos_slider(state: DashState) -> Any:
+    """The slider in training steps, from the first diagnosed step to the newest (at the newest when following)."""
+    rows = state.balance
+    if not rows:
+        return gr.update(minimum=0, maximum=1, value=0)
+    lo, hi = rows[0]["step"], rows[-1]["step"]
+    value = hi if state.cos_follow or state.cos_step is None else min(max(state.cos_step, lo), hi)
+    return gr.update(minimum=lo, maximum=max(hi, lo + 1), value=value)
 
 
-def sample_view(cache: dict, run_id: int) -> tuple[Any, Any, Any]:
-    """(sample-step dropdown, gallery, specialist plot). New sample steps (or another run) move all three to
-    the newest step; unchanged ones leave them alone (no reload). The gallery is filled here, not by the
-    dropdown's change event: a run whose newest sample step has the same number as the last run's would
-    not change the dropdown's value, and the old run's images would stay."""
-    steps = context.store().sample_steps(run_id)
-    if steps == cache.get("sample_steps"):
-        return gr.skip(), gr.skip(), gr.skip()
-    cache["sample_steps"] = steps
-    newest = steps[-1] if steps else None
-    return (gr.update(choices=steps, value=newest), *gallery_items(run_id, newest))
+def figures(state: DashState, smoothing: float) -> tuple[Any, ...]:
+    """(rewards, α, cosine heatmap, conflicts) of the cached run."""
+    names, series = state.names, state.data.series if state.data else {}
+    return (plots.reward_curves(series, names, smoothing),
+            plots.alpha_trajectories(state.balance, series, names),
+            plots.cosine_heatmap(cos_row(state)),
+            plots.conflict_panels(state.balance, names))
 
 
-def _empty_state(head: str, message: str, cache: dict | None = None) -> tuple[Any, ...]:
+# ---- handlers ------------------------------------------------------------------------------------
+
+def _empty(state: DashState, head: str, message: str) -> View:
     empty = plots.empty_figure("", message)
-    return (cache, head, empty, empty, empty, empty, gr.update(), gr.update(choices=[], value=None), [],
-            plots.empty_figure("Specialist structure", message))
+    note = f"<p class='strip-empty'>{escape(message)}</p>"
+    return View(state, head, empty, empty, empty, empty, gr.update(), gr.update(choices=[], value=None), note,
+                gr.update(choices=[], value=None), [], plots.empty_figure("Specialist structure", message))
 
 
-def _gone(run_id: int) -> tuple[Any, ...]:
-    """The empty state for a run that no longer exists; the cache remembers it so later ticks send nothing."""
-    return _empty_state(f"Run #{run_id} no longer exists (deleted). Pick another run.",
-                        f"Run #{run_id} was deleted.", {"gone": run_id})
+def _gone(run_id: int) -> View:
+    """The empty state for a run that no longer exists; the state remembers it so later ticks send nothing."""
+    return _empty(DashState(run_id=run_id, gone=True), f"Run #{run_id} no longer exists (deleted). Pick another run.",
+                  f"Run #{run_id} was deleted.")
+
+
+def _samples(view: View) -> View:
+    """Strip, step picker, gallery and specialist plot. New sample steps (or another run) move them to the
+    newest step; unchanged ones leave them alone (no reload). The gallery is filled here, not by the step
+    picker's change event: a run whose newest sample step has the same number as the last run's would not
+    change the picker's value, and the old run's images would stay."""
+    state = view.state
+    steps = context.store().sample_steps(state.run_id)
+    if steps == state.sample_steps:
+        return view
+    state.sample_steps = steps
+    newest = steps[-1] if steps else None
+    view.strip, state.strip_prompt = progression.strip(state.run_id, state.strip_prompt, state.names)
+    view.strip_prompt = gr.update(choices=progression.prompt_choices(state.run_id), value=state.strip_prompt)
+    view.sample_step = gr.update(choices=steps, value=newest)
+    view.gallery, view.spec = progression.gallery_items(state.run_id, newest)
+    return view
+
+
+def _render(state: DashState, smoothing: float) -> View:
+    """Everything shown for the cached run."""
+    rewards, alpha, cosine, conflict = figures(state, smoothing)
+    return _samples(View(state, header(state.run_id), rewards, alpha, cosine, conflict, cos_slider(state)))
 
 
 def select_run(run_id: int | None, smoothing: float) -> tuple[Any, ...]:
-    """Everything the dashboard shows for a newly picked run (or the empty state for none), in the order of
-    its outputs: cache, header, the four plots, the cosine slider, sample step, gallery, specialist plot."""
+    """Everything the dashboard shows for a newly picked run (or the empty state for none)."""
     if run_id is None:
-        return _empty_state(PICK, "No run selected.")
+        return _empty(DashState(), PICK, "No run selected.").outputs()
     try:
-        cache, _ = refresh_cache(None, int(run_id))
-        return _render(cache, int(run_id), smoothing)
+        return _render(load(int(run_id)), smoothing).outputs()
     except RunNotFound:
-        return _gone(int(run_id))
+        return _gone(int(run_id)).outputs()
 
 
-def tick(cache: dict | None, smoothing: float) -> tuple[Any, ...]:
-    """A timer tick: only what changed since the last one (same order as ``select_run``). The run and the
-    cosine step come from the cache, not from the picker and the slider: a tick that took them as inputs
-    raced their updates (Gradio checked the new value against the old choices / maximum and raised)."""
-    skip = gr.skip()
-    run_id = (cache or {}).get("run_id")
-    if run_id is None:  # nothing picked, or the picked run was deleted (already said)
-        return (cache, *[skip] * 9)
+def tick(state: DashState | None, smoothing: float) -> tuple[Any, ...]:
+    """A timer tick: only what changed since the last one. The run and the cosine step come from the state, not
+    from the picker and the slider: a tick that took them as inputs raced their updates (Gradio checked the new
+    value against the old choices / maximum and raised)."""
+    if state is None or state.run_id is None or state.gone:  # nothing picked, or the deletion was already said
+        return View(state or DashState()).outputs()
     try:
-        cache, changed = refresh_cache(cache, int(run_id))
-        if not changed:
-            return (cache, header(int(run_id)), *[skip] * 8)
-        return _render(cache, int(run_id), smoothing)
+        if not refresh(state):
+            return View(state, header=header(state.run_id)).outputs()
+        return _render(state, smoothing).outputs()
     except RunNotFound:  # deleted from the Runs page (or another tab) while shown here
-        return _gone(int(run_id))
+        return _gone(state.run_id).outputs()
 
 
-def _render(cache: dict, run_id: int, smoothing: float) -> tuple[Any, ...]:
-    """Everything shown for the cached run (order of ``select_run``). The cosine heatmap and its slider
-    follow the newest diagnosed step unless the user moved the slider away (``on_cos`` records it)."""
-    n = len(cache["balance"])
-    at_end = cache.get("cos_follow", True)
-    figs = figures(cache, reward_names(run_id), smoothing, None if at_end else cache.get("cos_index", 0))
-    slider = gr.update(maximum=max(n - 1, 1), value=max(n - 1, 0)) if at_end else gr.update(maximum=max(n - 1, 1))
-    return (cache, header(run_id), *figs, slider, *sample_view(cache, run_id))
+def on_cos(state: DashState | None, step: float) -> tuple[DashState | None, Any]:
+    """The cosine slider released at a training step: the heatmap of the diagnosed step at or before it;
+    back at the right end the heatmap follows new steps again."""
+    if state is None or not state.balance:
+        return state, gr.skip()
+    state.cos_step = int(step)
+    state.cos_follow = state.cos_step >= state.balance[-1]["step"]
+    return state, plots.cosine_heatmap(cos_row(state))
+
+
+def on_smooth(state: DashState | None, smoothing: float) -> Any:
+    if state is None or state.data is None:
+        return gr.skip()
+    return plots.reward_curves(state.data.series, state.names, smoothing)
+
+
+def on_strip_prompt(state: DashState | None, prompt: str | None) -> tuple[DashState | None, Any]:
+    if state is None or state.run_id is None or state.gone or not prompt:
+        return state, gr.skip()
+    try:
+        html, state.strip_prompt = progression.strip(state.run_id, prompt, state.names)
+    except RunNotFound:
+        return state, gr.skip()
+    return state, html
+
+
+def on_sample_step(state: DashState | None, step: int | None) -> tuple[Any, Any]:
+    """The user's choice of step only: a new run or new samples fill the gallery themselves (``_samples``)."""
+    if state is None or state.run_id is None or state.gone:
+        return [], gr.skip()
+    try:
+        return progression.gallery_items(state.run_id, step)
+    except RunNotFound:
+        return [], gr.skip()
 
 
 # ---- layout --------------------------------------------------------------------------------------
 
 def build(timer: gr.Timer) -> dict:
-    cache = gr.State(None)
+    state = gr.State(None)
     with gr.Row():
         run_box = gr.Dropdown(choices=[], label="Run", elem_id="dash-run", scale=3)
-        smoothing = gr.Slider(0, 0.98, value=0.6, step=0.02, label="Reward smoothing", scale=2)
+        smoothing = gr.Slider(0, 0.98, value=0.6, step=0.02, label="Reward smoothing", scale=2,
+                              info="Exponential moving average of the per-step means (0: raw).")
         reload_btn = gr.Button("Reload runs", scale=1, elem_id="dash-reload")
     head = gr.Markdown(PICK, elem_id="dash-header")
     evaluation.build(run_box, timer)  # the held-out evaluation panel: Evaluate, its progress, the stored scores
-    reward_plot = gr.Plot(label="Rewards", elem_id="plot-rewards")
-    alpha_plot = gr.Plot(label="α", elem_id="plot-alpha")
+    c: dict[str, Any] = {"header": head}
+    c["rewards"] = gr.Plot(label="Rewards", elem_id="plot-rewards")
+    c["alpha"] = gr.Plot(label="α", elem_id="plot-alpha")
+    gr.Markdown(ALPHA_HELP, elem_id="alpha-help", elem_classes=["help-line"])
     with gr.Row():
-        cos_plot = gr.Plot(label="Cosines", elem_id="plot-cosine")
-        cos_step = gr.Slider(0, 1, value=0, step=1, label="Diagnosed step (index; right = latest)",
-                             elem_id="cos-step")
-    conflict_plot = gr.Plot(label="Conflicts", elem_id="plot-conflict")
-    with gr.Row():
-        sample_step = gr.Dropdown(choices=[], label="Sample step", elem_id="sample-step")
-    spec_plot = gr.Plot(label="Specialist structure", elem_id="plot-specialist")
-    gallery = gr.Gallery(label="Samples (per-reward scores in captions)", columns=8, height=360,
-                         elem_id="gallery")
+        c["cosine"] = gr.Plot(label="Cosines", elem_id="plot-cosine")
+        c["cos_step"] = gr.Slider(0, 1, value=0, step=1, label="Diagnosed step (training step; right = latest)",
+                                  info=COSINE_HELP, elem_id="cos-step")
+    c["conflict"] = gr.Plot(label="Conflicts", elem_id="plot-conflict")
+    gr.Markdown("### Samples across training", elem_id="strip-title")
+    c["strip_prompt"] = gr.Dropdown(choices=[], label="Prompt (sample steps it appears at)", elem_id="strip-prompt")
+    c["strip"] = gr.HTML(f"<p class='strip-empty'>{PICK}</p>", elem_id="strip")
+    with gr.Accordion("One sample step: every image, and which sample informs which reward", open=True):
+        c["sample_step"] = gr.Dropdown(choices=[], label="Sample step", elem_id="sample-step")
+        c["spec"] = gr.Plot(label="Specialist structure", elem_id="plot-specialist")
+        c["gallery"] = gr.Gallery(label="Samples (prompt, seed, every reward's score)", columns=8, height=400,
+                                  elem_id="gallery")
+    outs = [state, *(c[n] for n in View.names()[1:])]
 
     def load_choices():
         return follow_new_runs(True, None)
 
-    def on_cos(run_id, cache_state, idx):
-        if run_id is None or not cache_state or not cache_state.get("balance"):
-            return cache_state, gr.skip()
-        rows = cache_state["balance"]
-        cache_state["cos_follow"] = int(idx) >= len(rows) - 1  # back at the right end: follow again
-        cache_state["cos_index"] = int(idx)
-        return cache_state, plots.cosine_heatmap(rows[min(int(idx), len(rows) - 1)])
-
-    def on_smooth(run_id, cache_state, smooth):
-        if run_id is None or not cache_state or "series" not in cache_state:
-            return gr.skip()
-        return plots.reward_curves(cache_state["series"], reward_names(int(run_id)), smooth)
-
-    outs = [cache, head, reward_plot, alpha_plot, cos_plot, conflict_plot, cos_step, sample_step, gallery, spec_plot]
     reload_btn.click(load_choices, None, run_box)
     run_box.change(select_run, [run_box, smoothing], outs)
-    timer.tick(tick, [cache, smoothing], outs, show_progress="hidden")
-    cos_step.release(on_cos, [run_box, cache, cos_step], [cache, cos_plot])
-    smoothing.release(on_smooth, [run_box, cache, smoothing], reward_plot)
-    # the user's choice of step only: a new run or new samples fill the gallery themselves (sample_view)
-    sample_step.input(lambda r, s: gallery_items(int(r), s) if r is not None else ([], gr.skip()),
-                      [run_box, sample_step], [gallery, spec_plot])
+    timer.tick(tick, [state, smoothing], outs, show_progress="hidden")
+    c["cos_step"].release(on_cos, [state, c["cos_step"]], [state, c["cosine"]])
+    smoothing.release(on_smooth, [state, smoothing], c["rewards"])
+    c["strip_prompt"].input(on_strip_prompt, [state, c["strip_prompt"]], [state, c["strip"]])
+    c["sample_step"].input(on_sample_step, [state, c["sample_step"]], [c["gallery"], c["spec"]])
     return {"run": run_box, "load_choices": load_choices}
 
 
