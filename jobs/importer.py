@@ -2,7 +2,7 @@
 
 ``python -m core.train --out DIR`` writes config.json, events.jsonl, checkpoints/step_NNNNNN/ (each with its
 manifest.json) and samples/. :func:`import_run` checks the folder, copies it into the data directory as
-``run_NNNNNN`` (hard links where the filesystem allows: no second copy of the checkpoints on disk) and registers it
+``run_NNNNNN`` (a checkpoint's files hard-linked where the filesystem allows: no second copy of them on disk) and registers it
 as a finished (succeeded) run with every row a queue-trained run has: metrics, balance diagnostics, samples,
 checkpoints, its duration. From then on it is the same kind of record as a run started in the browser: the
 dashboard opens it, Evaluate scores it, Compare lists its checkpoints, the Study reads it, delete removes the copy
@@ -148,11 +148,19 @@ def checkpoint_rows(folder: Path) -> list[dict]:
     return rows
 
 
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:  # another filesystem, or links not allowed: a real copy
+def _link_or_copy(root: Path):
+    """copytree's copy function for ``root``: a checkpoint's files are hard-linked (written once and sealed by their
+    manifest, never changed in place: no second copy on disk); every other file is copied, so a file the app rewrites
+    in the run's folder (config.json when the run is resumed to more steps) never changes the original folder."""
+    def copy(src: str, dst: str) -> None:
+        if Path(src).relative_to(root).parts[:1] == ("checkpoints",):
+            try:
+                os.link(src, dst)
+                return
+            except OSError:  # another filesystem, or links not allowed: a real copy
+                pass
         shutil.copy2(src, dst)
+    return copy
 
 
 def _eval_files(folder: Path) -> list[Path]:
@@ -209,7 +217,7 @@ def import_run(store: Store, folder: str | Path, name: str | None = None) -> tup
     batch.checkpoints = checkpoint_rows(src)
     staging = store.home / f".import_{uuid.uuid4().hex[:12]}"
     try:
-        shutil.copytree(src, staging, copy_function=_link_or_copy,  # a checkpoint cut by a kill is not the run's
+        shutil.copytree(src, staging, copy_function=_link_or_copy(src),  # a checkpoint cut by a kill is not the run's
                         ignore=shutil.ignore_patterns(".tmp_step_*"))
         finished = (src / EVENTS_FILE).stat().st_mtime
         run_id, created = store.import_run(

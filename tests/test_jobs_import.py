@@ -4,6 +4,7 @@ store (one record of a run, issue 18), on a real tiny CLI run; a bad folder is o
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
 import subprocess
@@ -55,6 +56,10 @@ def test_import_registers_a_cli_run_as_a_finished_run_once(cli_run, tmp_path):
         run = store.get_run(1)
         assert (run.kind, run.status, run.step, run.total_steps, run.name) == (s.TRAIN, s.SUCCEEDED, 3, 3, "my-run")
         assert run.run_dir == home.resolve() / "run_000001" and (run.run_dir / "config.json").is_file()
+        # a copy: what the app rewrites there never reaches the original; sealed checkpoint files are hard links
+        assert not os.path.samefile(run.run_dir / "config.json", cli_run / "config.json")
+        assert os.path.samefile(run.run_dir / "checkpoints/step_000003/manifest.json",
+                                cli_run / "checkpoints/step_000003/manifest.json")
         assert run.finished_at - run.started_at > 0  # its duration: the end events' seconds
         events = [json.loads(line) for line in (cli_run / "events.jsonl").read_text().splitlines()]
         steps = [e for e in events if e["event"] == "step"]
