@@ -92,3 +92,14 @@ def test_evaluate_refuses_bad_requests_naming_field_value_and_rule(store):
     assert job.status == s.CANCELLED
     text, _, _ = panel(run_id)
     assert f"job #{job.id}) ended **cancelled**" in text and "Press Evaluate to try again" in text
+
+
+def test_the_runs_page_cancels_an_evaluate_job_in_its_own_words(store):
+    from app.pages.runs import act
+    from jobs.evaluations import queue
+
+    job = queue(store, finished(store))
+    store.claim(job)
+    said = act("cancel", job)
+    assert said.startswith(f"Job #{job}: stop requested") and "checkpoint" not in said
+    assert store.get_run(job).cancel_requested and store.status(job) == s.RUNNING  # the job stops itself

@@ -63,6 +63,9 @@ def act(action: str, run_id: Any, steps: float | None = None) -> str:
             status = runner.cancel(store, rid, wait=False)
             if status == "cancelled":
                 return f"Run #{rid} cancelled before it started."
+            if status == "running" and store.get_run(rid).kind != "train":  # an evaluation or a comparison
+                return (f"Job #{rid}: stop requested. It stops after the model or column it is working on and then "
+                        f"shows as cancelled (Resume runs it again).")
             if status == "running":
                 return (f"Run #{rid}: stop requested. It saves a checkpoint at the next micro-batch and then shows "
                         f"as cancelled (Resume continues it).")
