@@ -14,6 +14,7 @@ import gradio as gr
 from app import context
 from jobs.storage import RunNotFound
 
+IDLE_EVERY = 5  # timer ticks between two reads of a panel with no evaluation in progress (2 s ticks: 10 s)
 EMPTY = "Pick a run above to see its held-out evaluation."
 NOT_YET = ("**Not evaluated yet — press Evaluate.** It scores the checkpoint and the base model on the held-out "
            "(test) prompts with every reward, in the background (a job of the Runs page).")
@@ -105,7 +106,7 @@ def scores_table(ev: dict) -> str:
 def panel(run_id: int | None) -> tuple[str, str, tuple]:
     """(status markdown, scores HTML, key): what the panel shows for a run, and a key that changes when it does."""
     from jobs import schema as s
-    from jobs.evaluations import PHASES, active_job, latest
+    from jobs.evaluations import PHASES, latest
 
     if run_id is None:
         return EMPTY, "", (None,)
@@ -114,10 +115,10 @@ def panel(run_id: int | None) -> tuple[str, str, tuple]:
         run = store.get_run(int(run_id))
     except RunNotFound:
         return f"Run #{run_id} no longer exists.", "", (run_id, "gone")
-    job = active_job(store, run.id)
-    ev = latest(store, run.id)
-    jobs = [j for j in store.list_runs(kind=s.EVALUATE) if j.subject_id == run.id]
+    jobs = [j for j in store.list_runs(kind=s.EVALUATE) if j.subject_id == run.id]  # newest first
     last = jobs[0] if jobs else None  # the newest evaluate job of this run, whatever its state
+    job = next((j for j in jobs if j.status in s.ACTIVE), None)  # jobs.evaluations.active_job, without a query
+    ev = latest(store, run.id)
     if job is not None:
         what = ("waiting for a free worker slot" if job.status == "queued" else
                 "scoring the base model" if job.step == 0 else
@@ -162,14 +163,22 @@ def build(run_box: gr.Dropdown, timer: gr.Timer) -> dict:
                 gr.update(choices=steps, value=steps[-1] if steps else None))
 
     def on_tick(state):
+        """While an evaluation of the shown run is queued or running, every tick; otherwise every IDLE_EVERY-th
+        (an evaluation queued elsewhere, a run that finishes): the panel costs the dashboard's tick nothing most of
+        the time."""
         run_id = (state or {}).get("run")
         if run_id is None:
             return state, gr.skip(), gr.skip(), gr.skip()
+        key = state.get("key")
+        active = bool(key and len(key) > 2 and key[2] and key[2][1] in ("queued", "running"))
+        ticks = state.get("ticks", 0) + 1
+        if not active and key is not None and ticks % IDLE_EVERY:
+            return {**state, "ticks": ticks}, gr.skip(), gr.skip(), gr.skip()
         text, html, key = panel(run_id)
         if key == state.get("key"):
-            return state, gr.skip(), gr.skip(), gr.skip()
+            return {**state, "ticks": ticks}, gr.skip(), gr.skip(), gr.skip()
         steps = checkpoint_choices(run_id)
-        return {"run": run_id, "key": key}, text, html, gr.update(choices=steps)
+        return {"run": run_id, "key": key, "ticks": ticks}, text, html, gr.update(choices=steps)
 
     run_box.change(on_pick, run_box, [shown, status, table, message, checkpoint])
     timer.tick(on_tick, shown, [shown, status, table, checkpoint], show_progress="hidden")
