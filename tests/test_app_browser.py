@@ -332,7 +332,7 @@ def test_what_a_researcher_checks_after_a_reload(page, server):
     page.reload()
     page.wait_for_selector("#app-title", timeout=60_000)
     tab(page, "Compare")
-    pick(page, "compare-saved", "· done")
+    pick(page, "compare-saved", "· succeeded")  # the runs' status words (a comparison is a job)
     page.wait_for_function("() => { const h = document.querySelector('#compare-gallery thead');"
                            " return h && h.innerText.includes('step 1') && h.innerText.includes('step 2'); }",
                            timeout=30_000)
