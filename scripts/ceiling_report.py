@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="the markdown page to write")
     parser.add_argument("--window", type=int, default=20, help="steps averaged for first/last/best")
     parser.add_argument("--conclusion", default="", help="a paragraph placed under the summary table")
+    parser.add_argument("--header", type=Path, default=None,
+                        help="a markdown file to open the page with (title, setup, commands) instead of the "
+                             "first ceiling study's")
     args = parser.parse_args(argv)
     parts = [summarize(run, args.window) for run in args.runs]
     summary = ("| run | reward | lr | images/step × steps | held-out Δ/std | training reward, first → last "
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     summary += "".join(row for row, _ in parts)
     conclusion = f"\n{args.conclusion.strip()}\n" if args.conclusion.strip() else ""
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(HEADER + summary + conclusion + "".join(section for _, section in parts))
+    header = args.header.read_text().rstrip() + "\n\n" if args.header else HEADER
+    args.out.write_text(header + summary + conclusion + "".join(section for _, section in parts))
     print(f"wrote {args.out} ({len(parts)} runs)")
 
 
