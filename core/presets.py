@@ -135,7 +135,7 @@ PRESETS: dict[str, tuple[str, Any]] = {
                         "the general reward.", _mini_sequential),
     "quality-marble": ("MARBLE (N=10, ρ=0.7) on the mini-world SD3 with the paper's reward structure: three "
                        "general quality rewards that agree (clean background, palette purity, crisp edges) and "
-                       "three specialists; 200 steps, ~10 min on 2 CPU cores.", quality_world),
+                       "three specialists; 200 steps (wall clock on 2 quiet cores not measured yet).", quality_world),
     "quality-weighted-sum": ("quality-marble's budget with the weighted-sum baseline (one scalar reward).",
                              lambda: quality_world("weighted_sum")),
     "quality-equal": ("quality-marble's budget with fixed equal α = 1/K (per-reward advantages, no QP).",

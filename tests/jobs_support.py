@@ -121,6 +121,22 @@ def kill_group(pgid: int | None) -> None:
         pass
 
 
+def stop_everything(store, workers: list, extra_pids: list[int] = ()) -> None:
+    """A worker fixture's teardown: kill the workers' process groups (and ``extra_pids``'), then every job
+    process a run of ``store`` still has, and close the store."""
+    from jobs.runner import process_alive
+
+    for pid in [*(w.pid for w in workers), *extra_pids]:
+        kill_group(pid)
+    for w in workers:
+        w.wait(timeout=30)
+    for summary in store.list_runs():
+        run = store.get_run(summary.id)
+        if run.pgid and process_alive(run.pid, run.proc_key):
+            kill_group(run.pgid)
+    store.close()
+
+
 def run_cli(home: Path, *args: str) -> tuple[int, str, str]:
     """``python -m jobs ARGS`` in this process (the CLI code without a new interpreter); returns
     (exit code, stdout, stderr)."""

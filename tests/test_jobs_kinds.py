@@ -15,10 +15,10 @@ import pytest
 from jobs import schema as s
 from jobs.compare import cancel_comparison, start_comparison, status_of
 from jobs.evaluations import latest, queue
-from jobs.runner import process_alive, submit
+from jobs.runner import submit
 from jobs.storage import Store
 from tests.helpers import small_config
-from tests.jobs_support import REPO, kill_group, run_cli, subprocess_env, wait_for
+from tests.jobs_support import REPO, run_cli, stop_everything, subprocess_env, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -44,14 +44,7 @@ def env(tmp_path):
 
     yield type("Env", (), {"home": home, "store": store, "start_worker": staticmethod(start_worker),
                            "logs": staticmethod(logs)})
-    for w in workers:
-        kill_group(w.pid)
-        w.wait(timeout=30)
-    for summary in store.list_runs():
-        run = store.get_run(summary.id)
-        if run.pgid and process_alive(run.pid, run.proc_key):
-            kill_group(run.pgid)
-    store.close()
+    stop_everything(store, workers)
 
 
 def finished_run(store: Store, steps: int = 2) -> int:

@@ -23,7 +23,7 @@ from jobs.runner import (RunnerSettings, Worker, cancel, ensure_worker, gpu_coun
 from jobs.storage import Batch, Store
 from tests.helpers import small_config
 from tests.jobs_support import (KEYS_PER_STEP, REPO, database_urls, jobs_cli, kill_group, run_cli,
-                                subprocess_env, wait_for)
+                                stop_everything, subprocess_env, wait_for)
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
@@ -51,15 +51,7 @@ def env(tmp_path):
 
     ns = SimpleNamespace(home=home, store=store, start_worker=start_worker, worker_log=worker_log, extra_pids=[])
     yield ns
-    for pid in [*(w.pid for w in workers), *ns.extra_pids]:
-        kill_group(pid)
-    for w in workers:
-        w.wait(timeout=30)
-    for summary in store.list_runs():
-        run = store.get_run(summary.id)
-        if run.pgid and process_alive(run.pid, run.proc_key):
-            kill_group(run.pgid)
-    store.close()
+    stop_everything(store, workers, ns.extra_pids)
 
 
 def _dump(store: Store) -> dict:
