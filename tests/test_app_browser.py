@@ -118,7 +118,22 @@ def small_run(page, steps: int, name: str, **extra) -> None:
               "balance.harmonize_every": 2, "sample_every": 1, "checkpoint_every": 1, **extra}
     for path, value in fields.items():
         set_field(page, path, value)
+    # under load the preset's own values can land after ours (the preset change is an event like any other):
+    # set again whatever it overwrote, so the run started is the one asked for
+    for path, value in fields.items():
+        box = page.locator(f"#field-{path.replace('.', '-')} input")
+        if box.input_value() != str(value):
+            set_field(page, path, value)
     page.locator("#start-run").click()
+
+
+def wait_queued(page, timeout: float = 60_000) -> None:
+    """Wait for New run's "Queued run"; on a timeout fail with what the page said instead."""
+    try:
+        page.locator("#start-status").get_by_text("Queued run").wait_for(timeout=timeout)
+    except Exception:
+        said = page.locator("#start-status").inner_text() + " | " + page.locator("#form-error").inner_text()
+        raise AssertionError(f"Start did not queue a run; the page said: {said!r}") from None
 
 
 # Traces that plotly.js actually drew points for: its _fullData holds the decoded arrays (the server
@@ -160,7 +175,7 @@ def test_a_bad_form_value_shows_its_error_and_starts_nothing(page, server):
 def test_start_a_run_watch_it_train_then_cancel_it(page, server):
     # long enough never to finish on a loaded CI machine before the test cancels it (200 steps once did)
     small_run(page, steps=2000, name="long run")
-    page.locator("#start-status").get_by_text("Queued run").wait_for(timeout=60_000)
+    wait_queued(page)
     shot(page, "new-run")
     tab(page, "Dashboard")
     page.locator("#dash-header").get_by_text("long run").wait_for(timeout=60_000)  # picked without a reload
@@ -199,7 +214,7 @@ def test_start_a_run_watch_it_train_then_cancel_it(page, server):
 
 def test_compare_two_checkpoints_side_by_side(page, server):
     small_run(page, steps=2, name="short run")
-    page.locator("#start-status").get_by_text("Queued run").wait_for(timeout=60_000)
+    wait_queued(page)
     wait_until_done(server["home"], "short run")
     tab(page, "Compare")
     page.locator("#compare-reload").click()
@@ -254,7 +269,7 @@ def test_the_gallery_follows_the_picked_run(page, server):
     from jobs.storage import Store
 
     small_run(page, steps=2, name="other seed", seed=1)
-    page.locator("#start-status").get_by_text("Queued run").wait_for(timeout=60_000)
+    wait_queued(page)
     ids = {name: wait_until_done(server["home"], name) for name in ("short run", "other seed")}
     with Store.open(server["home"]) as store:
         files = {name: [hashlib.md5(Path(s["image"]).read_bytes()).hexdigest() for s in store.samples(i, step=2)]
