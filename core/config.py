@@ -558,9 +558,8 @@ def _set_dotted(data: dict, key: str, value: Any) -> None:
                 raise ConfigError(key, value, f"'{part}' is not an index of a list of {len(node)}")
             part_key: Any = int(part)
         else:
-            renamed = {o: n for names in RENAMED.values() for o, n in names.items()}
-            if part not in node and part in renamed and isinstance(node, dict) and renamed[part] in node:
-                part = renamed[part]  # an old field name (e.g. balance.refresh_every) sets the renamed field
+            if part not in node and part in _OLD_NAMES and isinstance(node, dict) and _OLD_NAMES[part] in node:
+                part = _OLD_NAMES[part]  # an old field name (e.g. balance.refresh_every) sets the renamed field
             if part not in node:
                 valid = ", ".join(sorted(node)) if isinstance(node, dict) else "none"
                 raise ConfigError(key, value, f"unknown key '{part}'; valid keys here: {valid}")
@@ -574,6 +573,7 @@ def _set_dotted(data: dict, key: str, value: Any) -> None:
 # Fields renamed since runs were first stored: {dataclass: {old name: new name}}. Stored configs (the database,
 # run folders, config files) keep loading; a config naming both the old and the new field is refused.
 RENAMED = {"BalanceConfig": {"refresh_every": "harmonize_every", "refresh_scope": "harmonize_scope"}}
+_OLD_NAMES = {old: new for names in RENAMED.values() for old, new in names.items()}
 
 
 def _renamed(cls: type, data: Mapping[str, Any], prefix: str) -> dict[str, Any]:

@@ -19,8 +19,7 @@ no object scores 0 on the last two (a blank image is not a clean render of anyth
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -62,32 +61,27 @@ def crisp_edges(image: np.ndarray) -> float:
     return pure / (pure + in_between) if pure else 0.0
 
 
-class WorldQualityReward(Reward):
-    """One of the functions above on every image (prompts and metadata unused): valid everywhere."""
+def _on_8bit(judge: Callable[[np.ndarray], float]) -> Reward:
+    """``judge`` on every image (prompts and metadata unused, valid everywhere), given as 8-bit RGB as the
+    checker reads images."""
+    from core.rewards.image_stats import ImageStatReward, to_uint8
 
-    def __init__(self, judge: Callable[[np.ndarray], float]):
-        self.judge = judge
-
-    def score(self, images, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]):
-        import torch
-
-        arr = (images.permute(0, 2, 3, 1).cpu().double().numpy() * 255.0).round().astype(np.uint8)
-        return torch.tensor([self.judge(a) for a in arr], dtype=torch.float32)
+    return ImageStatReward(lambda image: judge(to_uint8(image)))
 
 
 @register_reward("clean_background", "Mini world, every image: a flat background, free of noise and smudges "
                                      "(exp(-mean deviation of background pixels / 8 RGB), 0-1)")
 def _clean_background() -> Reward:
-    return WorldQualityReward(clean_background)
+    return _on_8bit(clean_background)
 
 
 @register_reward("palette_purity", "Mini world, every image: objects drawn in clean palette colours "
                                    "(exp(-mean distance of inner object pixels to the palette / 30 RGB), 0-1; 0 if none)")
 def _palette_purity() -> Reward:
-    return WorldQualityReward(palette_purity)
+    return _on_8bit(palette_purity)
 
 
 @register_reward("crisp_edges", "Mini world, every image: objects with crisp edges, few in-between pixels "
                                 "(pure object pixels / (pure + in-between), 0-1; 0 if no object)")
 def _crisp_edges() -> Reward:
-    return WorldQualityReward(crisp_edges)
+    return _on_8bit(crisp_edges)
