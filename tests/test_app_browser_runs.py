@@ -57,6 +57,9 @@ def test_tags_notes_and_a_config_diff_on_the_runs_page(page, server, two_runs): 
     page.wait_for_function("() => document.querySelector('#runs-table').innerText.includes('run b')", timeout=30_000)
     pick(page, "runs-pick", "run a")
     page.keyboard.press("Escape")
+    # the pick fills the boxes with the run's own tags and notes: typing before that lands would be overwritten
+    page.locator("#run-annotate-message").get_by_text(f"tags and notes of #{two_runs['run a']} run a").wait_for(
+        timeout=30_000)
     page.locator("#run-tags textarea, #run-tags input").first.fill("baseline, sweep")
     page.locator("#run-notes textarea").fill("the reference for the rho sweep")
     page.locator("#run-annotate").click()

@@ -27,8 +27,8 @@ def old_url(request, tmp_path):
         now = time.time()
         with engine.begin() as conn:
             conn.execute(text(
-                "INSERT INTO runs (id, name, status, strategy, config, run_dir, total_steps, step, num_processes, "
-                "num_nodes, attempt, created_at, cancel_requested) VALUES (1, 'old run', 'succeeded', 'marble', "
+                "INSERT INTO runs (name, status, strategy, config, run_dir, total_steps, step, num_processes, "
+                "num_nodes, attempt, created_at, cancel_requested) VALUES ('old run', 'succeeded', 'marble', "
                 "'{\"steps\": 2}', 'run_000001', 2, 2, 1, 1, 1, :now, false)"), {"now": now})
             for step in (1, 2):
                 conn.execute(text("INSERT INTO metrics (run_id, step, key, value) VALUES (1, :s, 'reward/x', :v)"),
@@ -37,10 +37,12 @@ def old_url(request, tmp_path):
                               "(1, 2, 'checkpoints/step_000002', :now)"), {"now": now})
             conn.execute(text("INSERT INTO evaluations (run_id, checkpoint_step, name, scores, created_at) VALUES "
                               "(1, 2, 'held-out test', '{\"x\": 0.5}', :now)"), {"now": now})
-            for cid, result in ((1, '{"status": "done", "rows": [{"prompt": "p", "seed": 0, "cells": []}]}'),
-                                (2, '{"status": "running"}'), (3, '{"status": "failed", "error": "boom"}')):
-                conn.execute(text("INSERT INTO comparisons (id, name, run_ids, result, created_at) VALUES "
-                                  "(:id, 'c', '[1]', :r, :now)"), {"id": cid, "r": result, "now": now})
+            # ids come from the table's own sequence, as the app wrote them (an explicit id would leave a
+            # PostgreSQL sequence behind and the next insert would collide with it): 1, 2, 3 in this order
+            for result in ('{"status": "done", "rows": [{"prompt": "p", "seed": 0, "cells": []}]}',
+                           '{"status": "running"}', '{"status": "failed", "error": "boom"}'):
+                conn.execute(text("INSERT INTO comparisons (name, run_ids, result, created_at) VALUES "
+                                  "('c', '[1]', :r, :now)"), {"r": result, "now": now})
         engine.dispose()
         yield url
 

@@ -109,6 +109,17 @@ def save_annotations(run_id: Any, tags_text: str, notes: str) -> str:
     return f"Run #{rid}: saved ({tags}; notes {len(run.notes or '')} characters)."
 
 
+def editing_note(run_id: Any) -> str:
+    """The line under the boxes once a run is picked: whose tags and notes they show (Save stores them there)."""
+    if run_id is None:
+        return ""
+    try:
+        run = context.store().get_run(int(run_id))
+    except RunNotFound:
+        return ""
+    return f"Showing the tags and notes of {_label(run)}; edit them and press Save to store them with the run."
+
+
 def all_tags() -> list[str]:
     """Every tag in use, sorted (the Runs page's filter choices)."""
     return sorted({t for r in context.store().list_runs() for t in r.tags})
@@ -135,7 +146,8 @@ def build(pick: gr.Dropdown) -> dict:
     def on_pick(run_id, other_id):
         t, n = annotations(run_id)
         table, note = diff_table(run_id, other_id)
-        return (t, n, "", config_text(run_id), gr.update(choices=context.run_choices()), table, note)
+        return (t, n, editing_note(run_id), config_text(run_id), gr.update(choices=context.run_choices()), table,
+                note)
 
     pick.change(on_pick, [pick, other], [tags, notes, saved, config, other, diff, diff_note])
     other.change(diff_table, [pick, other], [diff, diff_note])
