@@ -434,6 +434,10 @@ class TrainConfig:
     """Save a checkpoint every this many steps (and always at the end); 0 = only at the end."""
     sample_every: int = 10
     """Record the rollout images of every this many steps as sample events (0 = never)."""
+    preview_prompts: int = 4
+    """At every sample step, also render this many fixed preview prompts (held-out prompts of the run's sources
+    in turn, seeds 0, 1, ...: the same in every run) with the rollout policy, so the Dashboard's progression
+    strip shows one prompt and one noise across training (0 = none)."""
     num_threads: int = 0
     """torch CPU threads (0 = torch's default)."""
     report_to: list[str] = field(default_factory=list)
@@ -485,6 +489,9 @@ class TrainConfig:
                  self.checkpoint_every, "must be an integer >= 0")
         _require(_is_int(self.sample_every) and self.sample_every >= 0, "sample_every", self.sample_every,
                  "must be an integer >= 0")
+        _require(_is_int(self.preview_prompts) and 0 <= self.preview_prompts <= limits.MAX_PREVIEW_PROMPTS,
+                 "preview_prompts", self.preview_prompts,
+                 f"must be an integer in [0, {limits.MAX_PREVIEW_PROMPTS}] (0 = no preview images)")
         _require(_is_int(self.num_threads) and 0 <= self.num_threads <= limits.MAX_THREADS, "num_threads",
                  self.num_threads, f"must be an integer in [0, {limits.MAX_THREADS}] (0 = torch's default)")
         _require(isinstance(self.report_to, list) and all(t in TRACKERS for t in self.report_to)

@@ -89,6 +89,15 @@ class SampleEvent(Event):
 
 
 @dataclass
+class PreviewEvent(Event):
+    """The fixed preview prompts (TrainConfig.preview_prompts) rendered at a sample step: the same prompt and
+    seed at every step, so a strip of them shows what training did to one image."""
+    kind: ClassVar[str] = "previews"
+    step: int
+    items: list[dict]  # {prompt, source, seed, path (relative to the run folder), rewards}
+
+
+@dataclass
 class CheckpointEvent(Event):
     kind: ClassVar[str] = "checkpoint"
     step: int

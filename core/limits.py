@@ -34,6 +34,8 @@ MAX_STEPS = 10_000_000
 MAX_SEED = 2**63 - 1
 """torch.manual_seed and numpy take seeds up to 64 bits; 2**70 used to end in an OverflowError."""
 MAX_THREADS = 1024
+MAX_PREVIEW_PROMPTS = 64
+"""Preview images rendered at each sample step: a strip needs a handful; each is a full sampling trajectory."""
 MAX_REWARDS = 32
 MAX_SOURCES = 64
 MAX_LORA_TARGETS = 256

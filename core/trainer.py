@@ -34,12 +34,12 @@ from core import checkpoint as ckpt_io
 from core.balancing import make_balancer
 from core.config import TrainConfig
 from core.distributed import check_batch_split, setup as setup_distributed
-from core.events import (BalanceEvent, CheckpointEvent, EndEvent, Event, NoticeEvent, SampleEvent, StartEvent,
-                         StepEvent)
+from core.events import (BalanceEvent, CheckpointEvent, EndEvent, Event, NoticeEvent, PreviewEvent, SampleEvent,
+                         StartEvent, StepEvent)
 from core.loss import advantage_to_r, amortized_objective, kl_loss, nft_loss_terms, per_reward_objectives
 from core.models import Policy, VelocityInputs, load_pipeline
 from core.per_sample import PerSampleGradients, available_memory, jacobian_bytes, per_reward_gradients
-from core.prompts import PromptSampler
+from core.prompts import PromptItem, PromptSampler
 from core.rewards import make_reward
 from core.sampling import Rollout, decode_latents, encode_prompts, generate_latents, sampler_sigmas
 
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 EMA_FOLDER = ckpt_io.EMA_FOLDER
 STATE_FILE = ckpt_io.STATE_TENSORS_FILE  # + training_state.json and manifest.json (core.checkpoint)
 # Fields that may change when a run is resumed; anything else must match the checkpoint.
-RESUMABLE_CHANGES = ("steps", "checkpoint_every", "sample_every", "num_threads")
+RESUMABLE_CHANGES = ("steps", "checkpoint_every", "sample_every", "preview_prompts", "num_threads")
 
 
 class StopTraining(Exception):
@@ -374,6 +374,8 @@ class Trainer:
             self.emit(BalanceEvent(step=self.step, **diag))
         if cfg.sample_every and (self.step % cfg.sample_every == 0 or self.step == 1) and dist.is_main:
             self._save_samples(batch, shard, R[shard], A[shard])
+            if cfg.preview_prompts:
+                self._save_previews()
 
     def _stratify_harmonized(self, r: torch.Tensor, step: int) -> torch.Tensor:
         """The sample order that puts every reward with a valid sample on this process into the harmonized
@@ -594,6 +596,44 @@ class Trainer:
                 "rewards": {n: float(R[i, k]) for k, n in enumerate(self.reward_names)},
                 "advantages": {n: float(A[i, k]) for k, n in enumerate(self.reward_names)}})
         self.emit(SampleEvent(step=self.step, items=items))
+
+    def preview_items(self) -> tuple[list[PromptItem], list[int]]:
+        """The fixed preview prompts and seeds (TrainConfig.preview_prompts): held-out prompts of the run's
+        sources in turn (the i-th preview is the (i // S)-th test prompt of source i mod S), seeds 0, 1, ...
+        Nothing depends on the run's seed or step, so every sample step, and every run on the same sources,
+        renders the same prompt from the same noise."""
+        n, sources = self.config.preview_prompts, self.prompts.sources
+        items = []
+        for i in range(n):
+            src = sources[i % len(sources)]
+            pool = src.test or src.train
+            items.append(pool[(i // len(sources)) % len(pool)])
+        return items, list(range(n))
+
+    def _save_previews(self) -> None:
+        """Render the preview prompts with the rollout policy (the sampler training uses), score them and emit
+        a PreviewEvent; the images go to previews/step_NNNNNN/."""
+        from PIL import Image
+
+        c = self.config.sampling
+        items, seeds = self.preview_items()
+        prompts, metadata = [it.text for it in items], [dict(it.metadata) for it in items]
+        emb = encode_prompts(self.pipe, prompts, c.max_sequence_length, c.guidance_scale, self.device)
+        x0 = generate_latents(self.pipe, self.policy.velocity_old, emb, seeds, c.num_steps, c.guidance_scale,
+                              c.resolution, self.device, c.sampler)
+        images = decode_latents(self.pipe, x0)
+        R = self.score(Rollout(x0, images, prompts, metadata, seeds, torch.zeros(len(prompts), dtype=torch.long),
+                               emb, self.sigmas))
+        rel = Path("previews") / f"step_{self.step:06d}"
+        (self.out_dir / rel).mkdir(parents=True, exist_ok=True)
+        arr = (images.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
+        out = []
+        for i, (prompt, meta, seed) in enumerate(zip(prompts, metadata, seeds)):
+            name = f"{i:03d}.png"
+            Image.fromarray(arr[i]).save(self.out_dir / rel / name)
+            out.append({"prompt": prompt, "source": meta.get("source"), "seed": seed, "path": str(rel / name),
+                        "rewards": {n: float(R[i, k]) for k, n in enumerate(self.reward_names)}})
+        self.emit(PreviewEvent(step=self.step, items=out))
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:

@@ -90,7 +90,7 @@ def rows_from_events(folder: Path, events: list[dict], total_steps: int) -> tupl
     """(the rows, facts about the run: last step, end status, seconds) from core.train's events. A resumed run
     repeats no step (core.train cuts its events file at the resume point); should one repeat anyway, its last
     record wins. Checkpoint events are ignored: the checkpoints are read from the folder itself."""
-    steps, metrics, balance, samples = {}, {}, {}, {}
+    steps, metrics, balance, samples, previews = {}, {}, {}, {}, {}
     run: dict = {}
     ends = []
     for n, ev in enumerate(events, 1):
@@ -110,11 +110,12 @@ def rows_from_events(folder: Path, events: list[dict], total_steps: int) -> tupl
             metrics[(row["step"], row["key"])] = row
         for row in batch.balance:
             balance[row["step"]] = row
-        for row in batch.samples:
-            if not _inside(folder, row["path"]):
-                raise _refuse(folder, f"{EVENTS_FILE}: sample path {row['path']!r} (step {row['step']}) leaves the "
-                                      f"run folder; sample paths are relative to it")
-            samples[(row["step"], row["idx"])] = row
+        for rows, into in ((batch.samples, samples), (batch.previews, previews)):
+            for row in rows:
+                if not _inside(folder, row["path"]):
+                    raise _refuse(folder, f"{EVENTS_FILE}: image path {row['path']!r} (step {row['step']}) leaves "
+                                          f"the run folder; image paths are relative to it")
+                into[(row["step"], row["idx"])] = row
         run.update(batch.run)
     if not ends:
         raise _refuse(folder, f"the run did not finish: {EVENTS_FILE} has no end event (last step "
@@ -127,7 +128,7 @@ def rows_from_events(folder: Path, events: list[dict], total_steps: int) -> tupl
                               f"{folder / CONFIG_FILE} --out {folder} --resume`, then import it")
     batch = Batch(steps=[steps[k] for k in sorted(steps)], metrics=[metrics[k] for k in sorted(metrics)],
                   balance=[balance[k] for k in sorted(balance)], samples=[samples[k] for k in sorted(samples)],
-                  run=run)
+                  previews=[previews[k] for k in sorted(previews)], run=run)
     seconds = sum(float(e.get("seconds") or 0.0) for e in ends)
     return batch, {"step": int(last.get("step") or max(steps, default=0)), "seconds": seconds}
 

@@ -131,6 +131,21 @@ samples = Table(
     UniqueConstraint("run_id", "step", "idx"),
 )
 
+# The fixed preview prompts rendered at each sample step (TrainConfig.preview_prompts): the progression strip.
+previews = Table(
+    "previews", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("step", Integer, nullable=False),
+    Column("idx", Integer, nullable=False),  # which preview (the same prompt and seed at every step)
+    Column("prompt", Text, nullable=False),
+    Column("source", String(200)),
+    Column("seed", BigInteger),
+    Column("path", String(1000), nullable=False),  # image, relative to the run folder
+    Column("rewards", JSON),
+    UniqueConstraint("run_id", "step", "idx"),
+)
+
 checkpoints = Table(
     "checkpoints", metadata,
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from sqlalchemy import Engine, create_engine, delete, event, func, insert, select, text, update
+from sqlalchemy import Engine, Table, create_engine, delete, event, func, insert, select, text, update
 
 from jobs import schema as s
 from jobs.paths import LOG_FILE, data_home, database_url, run_folder_name
@@ -30,7 +30,8 @@ from jobs.paths import LOG_FILE, data_home, database_url, run_folder_name
 BUSY_TIMEOUT_SECONDS = 60.0
 MAX_TAGS, MAX_TAG_CHARS, MAX_NOTES_CHARS = 16, 40, 5000  # a run's tags and notes (set_annotations)
 MIGRATIONS = Path(__file__).parent / "migrations"
-_PER_STEP_TABLES = (s.metrics, s.steps, s.balance, s.samples, s.checkpoints)
+_PER_STEP_TABLES = (s.metrics, s.steps, s.balance, s.samples, s.previews, s.checkpoints)
+_BATCH_TABLES = ("steps", "metrics", "balance", "samples", "previews", "checkpoints")  # Batch's row lists
 
 
 class RunNotFound(LookupError):
@@ -128,15 +129,19 @@ class Batch:
     metrics: list[dict] = field(default_factory=list)
     balance: list[dict] = field(default_factory=list)
     samples: list[dict] = field(default_factory=list)
+    previews: list[dict] = field(default_factory=list)
     checkpoints: list[dict] = field(default_factory=list)
     run: dict = field(default_factory=dict)  # column updates of the run row
 
+    def tables(self) -> list[tuple[Table, list[dict]]]:
+        """(table, rows) of every per-step table, in insert order."""
+        return [(getattr(s, name), getattr(self, name)) for name in _BATCH_TABLES]
+
     def __len__(self) -> int:
-        return (len(self.steps) + len(self.metrics) + len(self.balance) + len(self.samples)
-                + len(self.checkpoints))
+        return sum(len(rows) for _, rows in self.tables())
 
     def extend(self, later: "Batch") -> None:
-        for name in ("steps", "metrics", "balance", "samples", "checkpoints"):
+        for name in _BATCH_TABLES:
             getattr(self, name).extend(getattr(later, name))
         self.run.update(later.run)
 
@@ -263,8 +268,7 @@ class Store:
                 device=batch.run.get("device"), num_processes=1, num_nodes=1, attempt=1, created_at=time.time(),
                 started_at=started_at, finished_at=finished_at, cancel_requested=False)).inserted_primary_key[0])
             conn.execute(update(s.runs).where(s.runs.c.id == run_id).values(run_dir=run_folder_name(run_id)))
-            for table, rows in ((s.steps, batch.steps), (s.metrics, batch.metrics), (s.balance, batch.balance),
-                                (s.samples, batch.samples), (s.checkpoints, batch.checkpoints)):
+            for table, rows in batch.tables():
                 if rows:
                     conn.execute(insert(table), [{"run_id": run_id, **row} for row in rows])
         return run_id, True
@@ -364,8 +368,7 @@ class Store:
         """Insert a batch and update the run row in one transaction; with ``heartbeat`` also stamp
         heartbeat_at. Returns the run's stop flag."""
         with self._tx() as conn:
-            for table, rows in ((s.steps, batch.steps), (s.metrics, batch.metrics), (s.balance, batch.balance),
-                                (s.samples, batch.samples), (s.checkpoints, batch.checkpoints)):
+            for table, rows in batch.tables():
                 if rows:
                     conn.execute(insert(table), [{"run_id": run_id, **row} for row in rows])
             values = dict(batch.run)
@@ -595,6 +598,30 @@ class Store:
              .order_by(n.desc(), func.min(t.step), func.min(t.idx)))
         with self._read.connect() as conn:
             return [(p, int(c)) for p, c in conn.execute(q)]
+
+    def previews(self, run_id: int, prompt: str | None = None) -> list[dict]:
+        """The run's preview images (every sample step, or those of ``prompt``), by step then preview index:
+        prompt, source, seed, idx, per-reward scores and ``image`` (absolute path)."""
+        t = s.previews.c
+        where = [t.run_id == run_id] + ([t.prompt == prompt] if prompt is not None else [])
+        run_dir = self.run_dir(run_id)
+        with self._read.connect() as conn:
+            rows = conn.execute(select(t.step, t.idx, t.prompt, t.source, t.seed, t.path, t.rewards)
+                                .where(*where).order_by(t.step, t.idx))
+            return [{**row._mapping, "image": str(run_dir / row.path)} for row in rows]
+
+    def preview_prompts(self, run_id: int) -> list[tuple[str, int]]:
+        """(prompt, number of sample steps it was rendered at), in preview order."""
+        t = s.previews.c
+        q = (select(t.prompt, func.count(t.step.distinct())).where(t.run_id == run_id).group_by(t.prompt)
+             .order_by(func.min(t.idx)))
+        with self._read.connect() as conn:
+            return [(p, int(c)) for p, c in conn.execute(q)]
+
+    def preview_steps(self, run_id: int) -> list[int]:
+        t = s.previews.c
+        with self._read.connect() as conn:
+            return list(conn.execute(select(t.step).where(t.run_id == run_id).distinct().order_by(t.step)).scalars())
 
     def sample_steps(self, run_id: int) -> list[int]:
         t = s.samples.c

@@ -65,6 +65,11 @@ def event_batch(ev: dict, run_dir: Path) -> Batch:
                 "step": ev["step"], "idx": i, "prompt": item["prompt"], "source": item.get("source"),
                 "seed": item.get("seed"), "group_id": item.get("group"), "path": item["path"],
                 "rewards": item.get("rewards"), "advantages": item.get("advantages")})
+    elif kind == "previews":
+        for i, item in enumerate(ev["items"]):
+            batch.previews.append({
+                "step": ev["step"], "idx": i, "prompt": item["prompt"], "source": item.get("source"),
+                "seed": item.get("seed"), "path": item["path"], "rewards": item.get("rewards")})
     elif kind == "checkpoint":
         path = Path(ev["path"])
         try:

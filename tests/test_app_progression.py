@@ -5,7 +5,7 @@ written through the job's own EventWriter."""
 import gradio as gr
 import pytest
 
-from core.events import SampleEvent
+from core.events import PreviewEvent, SampleEvent
 from jobs import schema as s
 from jobs.writer import EventWriter
 from tests.jobs_support import REWARDS, balance_event, start_event, step_event
@@ -66,6 +66,44 @@ def test_the_strip_shows_one_prompt_and_seed_at_every_sample_step_left_to_right(
     assert positions == sorted(positions) and "filler" not in html.split("</thead>")[1]
     assert "same seed 7 at every step" in html and "at 3 of 3 sample steps" in html
     assert "colorfulness 1.01" in html  # full reward names with scores under each image (step 10)
+
+
+def write_previews(store, writer, run_id: int, step: int, prompts: list[str]) -> None:
+    """The fixed previews (prompt i with seed i) at ``step``, each image a distinct file."""
+    event = PreviewEvent(step=step, items=[{
+        "prompt": p, "source": "tiny", "seed": i, "path": f"previews/step_{step:06d}/{i:03d}.png",
+        "rewards": {r: 0.2 * step for r in REWARDS}} for i, p in enumerate(prompts)])
+    for item in event.items:
+        path = store.run_dir(run_id) / item["path"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(f"{run_id} {step} {item['path']}".encode())
+    writer(event)
+
+
+def test_a_run_with_previews_strips_its_fixed_preview_not_the_rollouts(store):
+    from app.pages.dashboard import on_strip_prompt, select_run, tick
+
+    run_id, writer = make_run(store)
+    for step in (1, 5):  # rollouts draw new prompts and seeds; the previews are the same at every step
+        write_samples(store, writer, run_id, step, [(f"rollout {step}", 100 + step), ("a red circle", 50 + step)])
+        write_previews(store, writer, run_id, step, ["two blue squares", "a red circle"])
+    write_samples(store, writer, run_id, 10, [("rollout 10", 110)])
+    writer.flush()  # step 10's previews are not written yet (they render after its rollouts)
+    out = shown(select_run(run_id, 0.6))
+    assert out["strip_prompt"]["choices"] == [("two blue squares (2 steps)", "two blue squares"),
+                                              ("a red circle (2 steps)", "a red circle")]
+    html = out["strip"]
+    assert "a fixed preview: the same prompt and seed (0)" in html and "not rendered at the other 1 step" in html
+    assert "previews/step_000001/000.png" in html and "previews/step_000005/000.png" in html
+    assert "samples/" not in html  # no rollout image in the strip
+    assert [s["step"] for s in store.samples(run_id, step=10)] == [10]  # the gallery keeps the rollouts
+    write_previews(store, writer, run_id, 10, ["two blue squares", "a red circle"])
+    writer.flush()
+    out = shown(tick(out["state"], 0.6))  # the late previews reach the strip on the next tick
+    assert "previews/step_000010/000.png" in out["strip"] and "at 3 of 3 sample steps" in out["strip"]
+    assert out["gallery"] == gr.skip()  # no new sample step: the gallery is left alone
+    state, html = on_strip_prompt(out["state"], "a red circle")
+    assert "previews/step_000010/001.png" in html and "seed 1" in html and "seed 51" not in html
 
 
 def test_the_strip_says_when_the_seed_changes_and_follows_the_picked_prompt(store):

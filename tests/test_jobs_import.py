@@ -136,7 +136,10 @@ BAD = {
                            .write_bytes(b"not the weights"), "checkpoint step_000002 does not match its manifest"),
     "sample path leaves the folder": (lambda d: (d / "events.jsonl").write_text(
         "\n".join(line.replace('"samples/step_000001/000.png"', '"../../etc/passwd"') for line in _events(d)) + "\n"),
-        "sample path '../../etc/passwd' (step 1) leaves the run folder"),
+        "image path '../../etc/passwd' (step 1) leaves the run folder"),
+    "preview path leaves the folder": (lambda d: (d / "events.jsonl").write_text(
+        "\n".join(line.replace('"previews/step_000001/000.png"', '"/etc/passwd"') for line in _events(d)) + "\n"),
+        "image path '/etc/passwd' (step 1) leaves the run folder"),
 }
 
 

@@ -190,6 +190,34 @@ def test_samples_are_saved_with_per_image_scores(tmp_path):
     assert set(item["advantages"]) == set(item["rewards"])
 
 
+def test_previews_render_the_same_prompts_and_seeds_at_every_sample_step(tmp_path):
+    events, on_event = _collect()
+    train(small_config("marble", steps=2, sample_every=1, preview_prompts=3), tmp_path, on_event)
+    previews = [e for e in events if e.kind == "previews"]
+    assert [e.step for e in previews] == [1, 2]  # beside each step's rollout samples
+    first, second = ([(i["prompt"], i["seed"]) for i in e.items] for e in previews)
+    assert first == second and [seed for _, seed in first] == [0, 1, 2]
+    import numpy as np
+    from PIL import Image
+
+    pixels = [[np.asarray(Image.open(tmp_path / i["path"])) for i in e.items] for e in previews]
+    assert all(a.shape == pixels[0][0].shape for row in pixels for a in row)
+    assert any(not np.array_equal(a, b) for a, b in zip(*pixels))  # training changed the rendered images
+    assert set(previews[0].items[0]["rewards"]) == {"jpeg_compressibility", "colorfulness", "brightness"}
+    # the same prompts and seeds in another run: a run's seed does not pick them
+    again, on_again = _collect()
+    train(small_config("marble", steps=1, sample_every=1, preview_prompts=3, seed=9), tmp_path / "other", on_again)
+    (other,) = [e for e in again if e.kind == "previews"]
+    assert [(i["prompt"], i["seed"]) for i in other.items] == first
+
+
+def test_no_previews_when_preview_prompts_is_zero(tmp_path):
+    events, on_event = _collect()
+    train(small_config("equal", steps=1, sample_every=1, preview_prompts=0), tmp_path, on_event)
+    assert [e.kind for e in events].count("samples") == 1 and "previews" not in [e.kind for e in events]
+    assert not (tmp_path / "previews").exists()
+
+
 def test_a_warm_up_step_harmonizes_every_unit_each_solve_updating_the_ema(tmp_path):
     # B = 8 in micro-batches of 4, 3 training timesteps per sample (int(0.99 · 4)): 6 units per step
     events, on_event = _collect()

@@ -39,6 +39,7 @@ class DashState:
     balance: list[dict] = field(default_factory=list)
     last_balance: int = 0  # the step after which the next balance read starts
     sample_steps: list[int] | None = None  # as last sent to the page (None: nothing sent yet)
+    preview_steps: list[int] | None = None  # the steps with preview images the strip last showed
     cos_follow: bool = True  # the cosine heatmap follows the newest diagnosed step
     cos_step: int | None = None  # else: the training step the user chose
     strip_prompt: str | None = None  # the progression strip's prompt (None: the most sampled one)
@@ -172,13 +173,16 @@ def _samples(view: View) -> View:
     picker's change event: a run whose newest sample step has the same number as the last run's would not
     change the picker's value, and the old run's images would stay."""
     state = view.state
-    steps = context.store().sample_steps(state.run_id)
+    store = context.store()
+    steps, previews = store.sample_steps(state.run_id), store.preview_steps(state.run_id)
+    if previews != state.preview_steps or steps != state.sample_steps:  # a step's previews land after its samples
+        state.preview_steps = previews
+        view.strip, state.strip_prompt = progression.strip(state.run_id, state.strip_prompt, state.names)
+        view.strip_prompt = gr.update(choices=progression.prompt_choices(state.run_id), value=state.strip_prompt)
     if steps == state.sample_steps:
         return view
     state.sample_steps = steps
     newest = steps[-1] if steps else None
-    view.strip, state.strip_prompt = progression.strip(state.run_id, state.strip_prompt, state.names)
-    view.strip_prompt = gr.update(choices=progression.prompt_choices(state.run_id), value=state.strip_prompt)
     view.sample_step = gr.update(choices=steps, value=newest)
     view.gallery, view.spec = progression.gallery_items(state.run_id, newest)
     return view
@@ -207,8 +211,8 @@ def tick(state: DashState | None, smoothing: float) -> tuple[Any, ...]:
     if state is None or state.run_id is None or state.gone:  # nothing picked, or the deletion was already said
         return View(state or DashState()).outputs()
     try:
-        if not refresh(state):
-            return View(state, header=header(state.run_id)).outputs()
+        if not refresh(state):  # no new step; a step's samples and previews may still land after it
+            return _samples(View(state, header=header(state.run_id))).outputs()
         return _render(state, smoothing).outputs()
     except RunNotFound:  # deleted from the Runs page (or another tab) while shown here
         return _gone(state.run_id).outputs()

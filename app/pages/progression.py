@@ -20,9 +20,18 @@ def scores_text(sample: dict, names: list[str], sep: str = " · ") -> str:
                     if isinstance(v := (sample.get("rewards") or {}).get(n), (int, float)) and math.isfinite(v))
 
 
+def _strip_prompts(run_id: int) -> tuple[bool, list[tuple[str, int]]]:
+    """(whether the run has preview images, the strip's prompts with their step counts): the fixed preview
+    prompts when the run rendered them (TrainConfig.preview_prompts), else the rollout samples' prompts (runs
+    made before previews existed, or with preview_prompts = 0)."""
+    store = context.store()
+    previews = store.preview_prompts(run_id)
+    return (True, previews) if previews else (False, store.sample_prompts(run_id))
+
+
 def prompt_choices(run_id: int) -> list[tuple[str, str]]:
-    """The strip's prompt picker: every sampled prompt with the number of sample steps it appears at."""
-    prompts = context.store().sample_prompts(run_id)
+    """The strip's prompt picker: every strip prompt with the number of sample steps it appears at."""
+    _, prompts = _strip_prompts(run_id)
     return [(f"{p} ({n} step{'s' if n != 1 else ''})", p) for p, n in prompts]
 
 
@@ -38,18 +47,20 @@ def _spaced(items: list, n: int) -> list:
 
 
 def strip(run_id: int, prompt: str | None, names: list[str]) -> tuple[str, str | None]:
-    """(HTML of the strip, the prompt shown). ``prompt`` None or not sampled: the prompt sampled at the most
-    steps. Per step the sample with the seed the prompt had at its first step when that seed is there again,
-    else its first sample of the prompt; the caption says the seed, so a change of seed is never hidden."""
+    """(HTML of the strip, the prompt shown). ``prompt`` None or not in the strip: its first prompt. A run with
+    preview images shows the preview of that prompt at every sample step (one prompt, one seed, rendered for the
+    strip). An older run shows its rollout samples of the prompt sampled at the most steps: per step the sample
+    with the seed the prompt had at its first step when that seed is there again, else its first sample of the
+    prompt; the caption says the seed, so a change of seed is never hidden."""
     store = context.store()
-    prompts = store.sample_prompts(run_id)
+    has_previews, prompts = _strip_prompts(run_id)
     if not prompts:
         return f"<p class='strip-empty'>{escape(NO_SAMPLES)}</p>", None
     known = {p for p, _ in prompts}
     prompt = prompt if prompt in known else prompts[0][0]
     steps_all = store.sample_steps(run_id)
     by_step: dict[int, list[dict]] = {}
-    for s in store.samples(run_id, prompt=prompt):
+    for s in (store.previews(run_id, prompt=prompt) if has_previews else store.samples(run_id, prompt=prompt)):
         by_step.setdefault(s["step"], []).append(s)
     steps = sorted(by_step)
     seed = by_step[steps[0]][0]["seed"]
@@ -65,11 +76,16 @@ def strip(run_id: int, prompt: str | None, names: list[str]) -> tuple[str, str |
     note = [f"<b>{escape(prompt)}</b> at {len(steps)} of {len(steps_all)} sample steps"]
     if len(shown) < len(chosen):
         note.append(f"{len(shown)} of them shown, evenly spaced (first and last kept)")
-    note.append(f"same seed {seed} at every step" if same_seed else
-                "the seed changes between steps (training draws new seeds every step; each image is captioned "
-                "with its own), so differences mix the policy's change with the seed's")
+    if has_previews:
+        note.append(f"a fixed preview: the same prompt and seed ({seed}) rendered by the rollout policy at every "
+                    f"sample step, so the change from left to right is training's alone")
+    else:
+        note.append(f"same seed {seed} at every step" if same_seed else
+                    "the seed changes between steps (training draws new seeds every step; each image is captioned "
+                    "with its own), so differences mix the policy's change with the seed's")
     if missing:
-        note.append(f"not sampled at the other {missing} step{'s' if missing != 1 else ''}")
+        note.append(f"not {'rendered' if has_previews else 'sampled'} at the other {missing} "
+                    f"step{'s' if missing != 1 else ''}")
     html = (f"<div class='strip-note'>{'; '.join(note)}.</div>"
             f"<div class='strip-scroll'><table class='strip'><thead><tr>{head}</tr></thead>"
             f"<tbody><tr>{cells}</tr></tbody></table></div>")
