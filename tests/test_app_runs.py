@@ -1,6 +1,7 @@
 """The Runs page's handlers on a real SQLite store: delete asks first, and nothing is deleted without the
 confirmation for the same run."""
 
+import gradio as gr
 import pytest
 
 from jobs import schema as s
@@ -130,3 +131,27 @@ def test_the_table_shows_each_runs_duration_and_a_row_click_picks_it(store):
     assert row_pick(Event())["value"] == done
     Event.row_value = ["", "No runs yet: start one in New run."]
     assert row_pick(Event()) is gr.skip() or row_pick(Event()) == gr.skip()
+
+
+def test_duplicate_fills_new_run_from_a_training_run_and_refuses_any_other_job(store):
+    from app.forms import config_form_values, form_fields
+    from app.pages.runs import duplicate
+    from core.config import preset
+
+    fields = form_fields(preset("tiny"))
+    cfg = preset("tiny").with_overrides({"balance.ema_rho": 0.5, "seed": 3})
+    train = store.create_run(cfg.to_dict(), strategy="marble", total_steps=3, name="base", preset="tiny")
+    n = 2 + len(config_form_values(cfg, fields))  # preset, name, the fields, then rewards, stages, sources...
+    out = duplicate(train, fields, n, "tab-new")
+    assert len(out) == n + 2
+    assert out[:2] == ["tiny", "base (copy)"] and out[-1].selected == "tab-new"
+    values = dict(zip([f.path for f in fields], out[2:n]))
+    assert values["balance.ema_rho"] == 0.5 and values["seed"] == 3
+    assert "copy of run" in out[-2]
+    ev = store.create_run({"run_id": train}, strategy="-", total_steps=2, kind=s.EVALUATE, subject_id=train)
+    out = duplicate(ev, fields, n, "tab-new")  # an evaluate job has no training config: nothing is filled
+    assert out[:n] == [gr.skip()] * n and out[-1] == gr.skip()
+    assert out[-2] == f"#{ev} is an evaluate job, not a training run: only a training run's config can be " \
+                      "duplicated into New run."
+    assert duplicate(None, fields, n, "tab-new")[-2] == "Pick a run first."
+    assert "does not exist" in duplicate(ev + 1, fields, n, "tab-new")[-2]

@@ -13,6 +13,7 @@ import pandas as pd
 from app import context
 from app.pages import evaluate, run_details
 from app.forms import FormField, config_form_values
+from jobs import schema as s
 from jobs.storage import RunNotFound, TransitionError
 
 # A newly picked run's log opens at its newest line (the textbox's own autoscroll follows only later changes).
@@ -89,7 +90,6 @@ def act(action: str, run_id: Any, steps: float | None = None) -> str:
 def ask_delete(run_id: Any) -> tuple[str, Any, Any]:
     """Delete's first click: (message, confirm button, pending run). Nothing is deleted until the confirm
     button is pressed for the same run; a run that is still queued or running is refused at once."""
-    from jobs import schema as s
 
     hidden = gr.update(visible=False)
     if run_id is None:
@@ -118,12 +118,38 @@ def confirm_delete(pending: Any, run_id: Any) -> tuple[str, Any, Any, Any]:
 
 
 def duplicate_values(run_id: Any, fields: list[FormField]) -> list[Any]:
-    """A run's preset, a name for the copy, and its config as New-run form values."""
+    """A training run's preset, a name for the copy, and its config as New-run form values."""
     from core.config import TrainConfig
 
     run = context.store().get_run(int(run_id))
     return [run.preset, f"{run.name or 'run ' + str(run.id)} (copy)",
             *config_form_values(TrainConfig.from_dict(run.config), fields)]
+
+
+def duplicate(run_id: Any, fields: list[FormField], n_outputs: int, new_tab: str) -> list[Any]:
+    """Duplicate's click: the New-run form filled from a training run (its ``n_outputs`` values), the Runs
+    message, and the tab switch to New run; for anything else nothing is filled and the message says why."""
+    from core.config import ConfigError
+
+    def refuse(text: str) -> list[Any]:
+        return [gr.skip()] * n_outputs + [text, gr.skip()]
+
+    if run_id is None:
+        return refuse("Pick a run first.")
+    rid = int(run_id)
+    try:
+        run = context.store().get_run(rid)
+    except RunNotFound as e:
+        return refuse(f"Run #{rid}: {e}")
+    if run.kind != s.TRAIN:
+        return refuse(f"#{rid} is {'an' if run.kind[0] in 'aeiou' else 'a'} {run.kind} job, not a training run: "
+                      f"only a training run's config can be duplicated into New run.")
+    try:
+        values = duplicate_values(rid, fields)
+    except ConfigError as e:  # a config this version cannot read (an older run with a field since removed)
+        return refuse(f"Run #{rid}'s config cannot be loaded into the form: {e}")
+    return [*values, f"New run holds a copy of run #{rid}'s config: change what you want and press Start.",
+            gr.Tabs(selected=new_tab)]
 
 
 def export_for_hub(run_id: Any, repo_id: str | None = None) -> str:
@@ -250,8 +276,8 @@ def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dic
     eval_btn.click(lambda r: evaluate.queue(r), pick, message)
     confirm_btn.click(confirm_delete, [pending, pick], [message, confirm_btn, pending, pick])
     dup_outputs = [new_run["preset"], new_run["name"], *new_run["widgets"], *new_run["extras"]]
-    dup_btn.click(lambda r: duplicate_values(r, new_run["fields"]) if r is not None else [gr.skip()] * len(
-        dup_outputs), pick, dup_outputs).then(lambda: gr.Tabs(selected=new_tab_id), None, tabs)
+    dup_btn.click(lambda r: duplicate(r, new_run["fields"], len(dup_outputs), new_tab_id), pick,
+                  [*dup_outputs, message, tabs])
     # another pick withdraws a pending delete
     pick.change(lambda r: (_log(r) if r is not None else "", gr.update(visible=False), None, r, cancel_state(r)),
                 pick, [log, confirm_btn, pending, picked, cancel_btn]).then(None, None, None, js=SCROLL_LOG_TO_END)
