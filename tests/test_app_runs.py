@@ -151,7 +151,11 @@ def test_duplicate_fills_new_run_from_a_training_run_and_refuses_any_other_job(s
     ev = store.create_run({"run_id": train}, strategy="-", total_steps=2, kind=s.EVALUATE, subject_id=train)
     out = duplicate(ev, fields, n, "tab-new")  # an evaluate job has no training config: nothing is filled
     assert out[:n] == [gr.skip()] * n and out[-1] == gr.skip()
-    assert out[-2] == f"#{ev} is an evaluate job, not a training run: only a training run's config can be " \
-                      "duplicated into New run."
+    assert out[-2] == f"#{ev} is an evaluate job, not a training run: only a training run has a config to " \
+                      "duplicate into New run."
+    from app.pages.runs import export_for_hub
+
+    assert export_for_hub(ev) == f"#{ev} is an evaluate job, not a training run: only a training run has a LoRA " \
+                                 "to export."
     assert duplicate(None, fields, n, "tab-new")[-2] == "Pick a run first."
     assert "does not exist" in duplicate(ev + 1, fields, n, "tab-new")[-2]

@@ -126,6 +126,14 @@ def duplicate_values(run_id: Any, fields: list[FormField]) -> list[Any]:
             *config_form_values(TrainConfig.from_dict(run.config), fields)]
 
 
+def not_a_training_run(run: Any, action: str) -> str | None:
+    """Why ``action`` does not apply to ``run`` (an evaluate or compare job), or None for a training run."""
+    if run.kind == s.TRAIN:
+        return None
+    return (f"#{run.id} is {'an' if run.kind[0] in 'aeiou' else 'a'} {run.kind} job, not a training run: "
+            f"only a training run {action}.")
+
+
 def duplicate(run_id: Any, fields: list[FormField], n_outputs: int, new_tab: str) -> list[Any]:
     """Duplicate's click: the New-run form filled from a training run (its ``n_outputs`` values), the Runs
     message, and the tab switch to New run; for anything else nothing is filled and the message says why."""
@@ -141,9 +149,8 @@ def duplicate(run_id: Any, fields: list[FormField], n_outputs: int, new_tab: str
         run = context.store().get_run(rid)
     except RunNotFound as e:
         return refuse(f"Run #{rid}: {e}")
-    if run.kind != s.TRAIN:
-        return refuse(f"#{rid} is {'an' if run.kind[0] in 'aeiou' else 'a'} {run.kind} job, not a training run: "
-                      f"only a training run's config can be duplicated into New run.")
+    if why := not_a_training_run(run, "has a config to duplicate into New run"):
+        return refuse(why)
     try:
         values = duplicate_values(rid, fields)
     except ConfigError as e:  # a config this version cannot read (an older run with a field since removed)
@@ -163,6 +170,8 @@ def export_for_hub(run_id: Any, repo_id: str | None = None) -> str:
     repo = (repo_id or "").strip() or None
     store = context.store()
     try:
+        if why := not_a_training_run(store.get_run(rid), "has a LoRA to export"):
+            return why
         ckpt = store.latest_checkpoint(rid)
         step = ckpt["step"] if ckpt else 0
         root = store.run_dir(rid) / "exports"
