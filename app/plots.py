@@ -205,6 +205,38 @@ def cosine_heatmap(row: dict | None, revision: Any = "cos") -> go.Figure:
                    height=380)
 
 
+ATTRIBUTION_EMPTY = ("Recorded on the per-sample gradient path (balance.gradients = per_sample) at harmonized and "
+                     "diagnostic steps; none at this step.")
+
+
+def conflict_attribution(att: dict | None, step: int | None, revision: Any = "attr") -> go.Figure:
+    """Which samples drive the worst conflict of a diagnosed step: each sample's share of cos(g_k, g_l) for the
+    pair with the lowest cosine (the shares sum to it), one bar per sample, most negative first, coloured by its
+    prompt source; the hover names its prompt, seed and σ."""
+    title = "Who drives the worst conflict"
+    if not att or not att.get("samples"):
+        return empty_figure(title, ATTRIBUTION_EMPTY)
+    rows = sorted(att["samples"], key=lambda s: s["share"])
+    sources = list(dict.fromkeys(s.get("source") or "?" for s in rows))
+    fig = go.Figure()
+    for i, src in enumerate(sources):
+        mine = [(n, s) for n, s in enumerate(rows) if (s.get("source") or "?") == src]
+        fig.add_trace(go.Bar(
+            x=[n for n, _ in mine], y=[s["share"] for _, s in mine], name=src, marker_color=colour(i),
+            customdata=[[s["prompt"], s.get("seed"), s.get("sigma")] for _, s in mine],
+            hovertemplate="%{customdata[0]}<br>seed %{customdata[1]} · σ %{customdata[2]:.2f}<br>share "
+                          "%{y:+.3f}<extra>%{fullData.name}</extra>"))
+    fig.add_hline(y=0, line=dict(color="#888", width=1))
+    k, l = att["pair"]
+    fig.update_xaxes(title="samples of the unit, most negative share first", showticklabels=False)
+    fig.update_yaxes(title=f"share of cos({k}, {l})")
+    fig.update_layout(legend_title_text="prompt source", bargap=0.15)
+    where = (f"in the step's last unit (the step was solved whole; the heatmap shows its cosines)"
+             if att.get("scope") == "unit" else f"on the {len(rows)} samples of the solved unit")
+    return _layout(fig, f"{title} at step {step}: cos({k}, {l}) = {att['cosine']:+.2f} {where}", revision,
+                   height=380)
+
+
 def conflict_panels(balance_rows: Sequence[dict], reward_names: Sequence[str],
                     revision: Any = "conflict") -> go.Figure:
     """Each reward's cosine with the applied update over steps, and min / mean / variance across rewards,

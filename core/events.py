@@ -79,6 +79,10 @@ class BalanceEvent(Event):
     dropped: list[str] = field(default_factory=list)  # rewards dropped on this unit (balance.reward_dropout)
     cos_to_mean: dict[str, float] = field(default_factory=dict)  # cos(g_k, (1/K)·Σ_j g_j), the paper's Fig. S2
     gradients: str = "per_reward"  # how the g_k were formed: "per_sample" (2 backward passes) or "per_reward" (K)
+    # which samples drive the worst conflict (per-sample path only; empty otherwise): {pair: [k, l], cosine,
+    # timestep_index, samples: [{prompt, source, seed, sigma, share}]}, the shares summing to the cosine; measured
+    # on the step's first unit with per-reward gradients (core.per_sample.conflict_attribution)
+    attribution: dict = field(default_factory=dict)
 
 
 @dataclass

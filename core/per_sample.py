@@ -22,6 +22,7 @@ Cost: 2 backward passes instead of K (plus the KL's, as on the K-backward path) 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -183,7 +184,43 @@ class PerSampleGradients:
 
 
 def per_reward_gradients(jacobian: torch.Tensor, r: torch.Tensor, nft_beta: float,
-                         adv_clip_max: float) -> torch.Tensor:
-    """g [K, P] = W J: every masked per-reward gradient of one unit from its J [2b, P] (float64)."""
+                         adv_clip_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g [K, P] = W J, W [K, 2b]): every masked per-reward gradient of one unit from its J [2b, P] (float64), and
+    the mixing that made them (for :func:`conflict_attribution`)."""
     mixing = reward_mixing(r.double(), nft_beta, adv_clip_max).to(jacobian.device)
-    return mixing @ jacobian.double()
+    return mixing @ jacobian.double(), mixing
+
+
+@dataclass
+class Attribution:
+    """Which samples drive a unit's worst conflict: the pair of rewards (k, l) with the lowest gradient cosine,
+    that cosine, and each sample's share of it (``shares`` [b], summing to ``cosine``)."""
+
+    k: int
+    l: int
+    cosine: float
+    shares: torch.Tensor
+
+
+def conflict_attribution(jacobian: torch.Tensor, mixing: torch.Tensor, g: torch.Tensor) -> Attribution | None:
+    """Each sample's share of the unit's worst cosine, exactly, from its per-sample gradients.
+
+    Sample i's part of g_k is s_{k,i} = W[k,i]·p_i + W[k,b+i]·q_i, so g_k·g_l = Σ_i ½(s_{k,i}·g_l + s_{l,i}·g_k):
+    the share c_i = ½(s_{k,i}·g_l + s_{l,i}·g_k) / (|g_k|·|g_l|) sums to cos(g_k, g_l) over the samples. A large
+    negative c_i is a sample whose gradient for one reward points against the other reward's. Costs one product
+    J·[g_k, g_l]ᵀ ([2b, 2]). None when fewer than two rewards have a gradient. Shapes: jacobian [2b, P],
+    mixing [K, 2b], g [K, P]."""
+    norms = g.norm(dim=1)
+    valid = torch.isfinite(norms) & (norms > 1e-12)
+    idx = valid.nonzero().flatten().tolist()
+    if len(idx) < 2:
+        return None
+    cos = (g @ g.T) / torch.outer(norms, norms).clamp(min=1e-300)
+    k, l = min(((a, b) for i, a in enumerate(idx) for b in idx[i + 1:]), key=lambda kl: float(cos[kl]))
+    d = jacobian.double() @ g[[k, l]].T  # [2b, 2]: every p_i, q_i against g_k and g_l
+    b = jacobian.shape[0] // 2
+    w = mixing.to(d.dtype)
+    towards_l = w[k, :b] * d[:b, 1] + w[k, b:] * d[b:, 1]  # s_{k,i}·g_l
+    towards_k = w[l, :b] * d[:b, 0] + w[l, b:] * d[b:, 0]  # s_{l,i}·g_k
+    shares = 0.5 * (towards_l + towards_k) / (norms[k] * norms[l])
+    return Attribution(k, l, float(cos[k, l]), shares.cpu())

@@ -38,7 +38,8 @@ from core.events import (BalanceEvent, CheckpointEvent, EndEvent, Event, NoticeE
                          StartEvent, StepEvent)
 from core.loss import advantage_to_r, amortized_objective, kl_loss, nft_loss_terms, per_reward_objectives
 from core.models import Policy, VelocityInputs, load_pipeline
-from core.per_sample import PerSampleGradients, available_memory, jacobian_bytes, per_reward_gradients
+from core.per_sample import (PerSampleGradients, available_memory, conflict_attribution, jacobian_bytes,
+                             per_reward_gradients)
 from core.prompts import PromptItem, PromptSampler
 from core.rewards import make_reward
 from core.sampling import Rollout, decode_latents, encode_prompts, generate_latents, sampler_sigmas
@@ -189,6 +190,7 @@ class Trainer:
         self.sigmas = sampler_sigmas(self.pipe, config.sampling.num_steps, sampler=config.sampling.sampler)[:-1]
         self.step = 0
         self.gradient_path, self._per_sample = self._choose_gradient_path()
+        self._attribution = None  # the current unit's conflict attribution (core.per_sample.conflict_attribution)
         # θ_ema of the LoRA parameters (OptimConfig.ema_decay; None when off), starting at the initial adapter
         self.ema = (None if config.optim.ema_decay == 0 else
                     {n: p.detach().clone() for n, p in self.policy.named_trainable.items()})
@@ -323,6 +325,7 @@ class Trainer:
         whole_step = harmonize and bal.harmonize_scope == "step"
         acc = _HarmonizedSums.zeros(K, self.policy.num_trainable, self.device) if whole_step else None
         diag: dict | None = None
+        attribution: dict | None = None  # of the unit the diagnostics describe (whole step: of its last unit)
         loss_total, kl_total = 0.0, 0.0
         for p in self.params:
             p.grad = None
@@ -335,6 +338,7 @@ class Trainer:
             kind = kinds[ui]
             # Per-reward gradients never go through DDP's reducer: they are all-reduced by hand, once. So every
             # unit runs under no_sync() except the step's last amortized backward, which reduces all of .grad.
+            self._attribution = None
             with dist.sync_context(self.policy.train_module, sync=kind == "amortized" and ui == U - 1):
                 l_pos, l_neg, kl = self._forward(batch, idx, t, noise, record=kind != "amortized")
                 kl_total += kl.mean().item() / U
@@ -348,6 +352,8 @@ class Trainer:
                     loss = self._amortized_unit(l_pos, l_neg, kl, A_unit, step, U)
                 if kind != "amortized" and diag is not None:
                     diag["dropped"] = dropped
+                if self._attribution is not None:  # this unit's gradients are the recorded ones (or one of the step's)
+                    attribution = self._attribution_record(self._attribution, batch, idx, t, j, whole_step)
                 loss_total += loss
 
         if whole_step:  # one solve on the whole step's mean gradients
@@ -371,11 +377,24 @@ class Trainer:
             reward_std={n: _nanstd(R[:, k]) for k, n in enumerate(self.reward_names)},
             stage=self.balancer.current_stage(step) if hasattr(self.balancer, "current_stage") else None))
         if diag is not None:
-            self.emit(BalanceEvent(step=self.step, **diag))
+            self.emit(BalanceEvent(step=self.step, **diag, attribution=attribution or {}))
         if cfg.sample_every and (self.step % cfg.sample_every == 0 or self.step == 1) and dist.is_main:
             self._save_samples(batch, shard, R[shard], A[shard])
             if cfg.preview_prompts:
                 self._save_previews()
+
+    def _attribution_record(self, att, batch: Rollout, idx: torch.Tensor, t: torch.Tensor, j: int,
+                            whole_step: bool) -> dict:
+        """The BalanceEvent's ``attribution``: the unit's worst pair, its cosine, and per sample (this process's
+        micro-batch at training timestep j) its prompt, source, seed, σ and share of that cosine. ``scope``
+        "solve": the unit is the one the diagnostics describe (its cosine is the heatmap's); "unit": the step was
+        solved as a whole (harmonize_scope = step), and this is its last unit's own conflict."""
+        names = self.reward_names
+        return {"pair": [names[att.k], names[att.l]], "cosine": att.cosine, "timestep_index": int(j),
+                "scope": "unit" if whole_step else "solve",
+                "samples": [{"prompt": batch.prompts[i], "source": batch.metadata[i].get("source"),
+                             "seed": batch.seeds[i], "sigma": float(t[n]), "share": float(att.shares[n])}
+                            for n, i in enumerate(idx.tolist())]}
 
     def _stratify_harmonized(self, r: torch.Tensor, step: int) -> torch.Tensor:
         """The sample order that puts every reward with a valid sample on this process into the harmonized
@@ -451,7 +470,8 @@ class Trainer:
             psg = self._per_sample
             psg.backward(l_pos.sum(), 0)
             psg.backward(l_neg.sum(), 1)
-            g = per_reward_gradients(psg.jacobian, r, nft.nft_beta, nft.adv_clip_max)
+            g, mixing = per_reward_gradients(psg.jacobian, r, nft.nft_beta, nft.adv_clip_max)
+            self._attribution = conflict_attribution(psg.jacobian, mixing, g)  # who drives this unit's conflict
             psg.release()
         else:
             g = torch.stack([self._grads(per_reward[k]) for k in range(len(self.reward_names))])

@@ -113,6 +113,8 @@ balance = Table(  # per-reward gradient diagnostics of full and diagnostic steps
     Column("valid", JSON),
     Column("update_norm", Float),
     Column("solve_seconds", Float),
+    # which samples drive the worst conflict (core.events.BalanceEvent.attribution); read one step at a time
+    Column("attribution", JSON),
 )
 
 samples = Table(

@@ -555,6 +555,7 @@ class Store:
         norms, validity, solver. ``max_points`` keeps that many rows, evenly spaced, always the last."""
         b = s.balance.c
         where = [b.run_id == run_id, b.step > since_step]
+        columns = [c for c in s.balance.c if c.name != "attribution"]  # per-sample records: read one step at a time
         with self._read.connect() as conn:
             if max_points is not None and max_points > 0:
                 all_steps = list(conn.execute(select(b.step).where(*where).order_by(b.step)).scalars())
@@ -562,12 +563,20 @@ class Store:
                     chosen = _evenly_spaced(all_steps, max_points)
                     rows = []
                     for i in range(0, len(chosen), 500):
-                        rows += conn.execute(select(s.balance).where(b.run_id == run_id,
-                                                                     b.step.in_(chosen[i:i + 500]))
+                        rows += conn.execute(select(*columns).where(b.run_id == run_id,
+                                                                    b.step.in_(chosen[i:i + 500]))
                                              .order_by(b.step)).all()
                     return [_balance_row(r._mapping) for r in rows]
-            q = select(s.balance).where(*where).order_by(b.step)
+            q = select(*columns).where(*where).order_by(b.step)
             return [_balance_row(r._mapping) for r in conn.execute(q)]
+
+    def attribution(self, run_id: int, step: int) -> dict:
+        """The conflict attribution recorded at diagnosed step ``step`` ({} when none: the per-reward gradient
+        path, or a run from before it was recorded)."""
+        b = s.balance.c
+        with self._read.connect() as conn:
+            found = conn.execute(select(b.attribution).where(b.run_id == run_id, b.step == step)).scalar()
+        return found or {}
 
     def samples(self, run_id: int, step: int | None = None, since_step: int = 0,
                 prompt: str | None = None) -> list[dict]:

@@ -56,6 +56,7 @@ def event_batch(ev: dict, run_dir: Path) -> Batch:
         row = {k: ev.get(k) for k in (
             "step", "phase", "solver", "alpha_raw", "alpha_ema", "cosine", "cos_to_update", "grad_norms",
             "valid", "update_norm", "solve_seconds")}
+        row["attribution"] = ev.get("attribution") or None
         if ev.get("cos_to_mean") and isinstance(row["cosine"], dict):  # kept with the cosines (no new column)
             row["cosine"] = {**row["cosine"], "to_mean": ev["cos_to_mean"]}
         batch.balance.append(row)

@@ -129,7 +129,7 @@ def test_the_state_is_a_typed_object_and_the_cosine_slider_is_in_training_steps(
     state = out["state"]
     assert isinstance(state, DashState) and state.run_id == run_id and state.names == REWARDS
     assert out["cos_step"]["minimum"] == 1 and out["cos_step"]["maximum"] == 9 and out["cos_step"]["value"] == 9
-    state, heat = on_cos(state, 7)  # between diagnosed steps 5 and 9: the one at or before it
+    state, heat, _ = on_cos(state, 7)  # between diagnosed steps 5 and 9: the one at or before it
     assert "at step 5" in heat.layout.title.text and not state.cos_follow
     writer(step_event(13, phase="harmonized"))
     writer(balance_event(13))
@@ -137,7 +137,7 @@ def test_the_state_is_a_typed_object_and_the_cosine_slider_is_in_training_steps(
     out = shown(tick(state, 0.6))
     assert out["cos_step"]["maximum"] == 13 and out["cos_step"]["value"] == 7  # the user's choice stays
     assert "at step 5" in out["cosine"].layout.title.text
-    state, heat = on_cos(out["state"], 13)  # back at the right end: follows new steps again
+    state, heat, _ = on_cos(out["state"], 13)  # back at the right end: follows new steps again
     assert state.cos_follow and "at step 13" in heat.layout.title.text
 
 
@@ -171,3 +171,31 @@ def test_a_tick_without_news_sends_only_the_header(store):
     out = shown(tick(shown(select_run(run_id, 0.6))["state"], 0.6))
     assert out["header"].startswith(f"### #{run_id}")
     assert all(v == gr.skip() for k, v in out.items() if k not in ("state", "header"))
+
+
+def test_the_dashboard_shows_which_samples_drive_the_worst_conflict_at_the_sliders_step(store):
+    from app.pages.dashboard import on_cos, select_run
+
+    run_id, writer = make_run(store, diagnose=())
+    shares = [-0.30, 0.05, -0.10, 0.02]  # sum -0.33
+    for step, att in ((3, {"pair": ["jpeg_compressibility", "brightness"], "cosine": -0.33, "scope": "solve",
+                           "timestep_index": 2,
+                           "samples": [{"prompt": f"p{i}", "source": "tiny" if i % 2 else "other", "seed": i,
+                                        "sigma": 0.5, "share": v} for i, v in enumerate(shares)]}),
+                      (8, {})):  # step 8: the K-backward path recorded none
+        event = balance_event(step)
+        event.attribution = att
+        writer(event)
+    writer.flush()
+    assert store.balance(run_id)[0].get("attribution") is None  # the per-step reads leave it out
+    out = shown(select_run(run_id, 0.6))
+    fig = out["attribution"]  # the newest diagnosed step (8) has none: said, not drawn empty
+    assert "per-sample gradient path" in fig.layout.annotations[0].text
+    state, heat, fig = on_cos(out["state"], 5)  # the slider back at step 3
+    assert "at step 3" in heat.layout.title.text and "at step 3" in fig.layout.title.text
+    assert "cos(jpeg_compressibility, brightness) = -0.33" in fig.layout.title.text
+    bars = {t.name: list(t.y) for t in fig.data}
+    assert sorted(bars) == ["other", "tiny"] and sorted(v for ys in bars.values() for v in ys) == sorted(shares)
+    assert sum(v for ys in bars.values() for v in ys) == pytest.approx(-0.33)
+    first = min(fig.data, key=lambda t: min(t.x))  # most negative share first
+    assert first.y[list(first.x).index(0)] == -0.30 and first.customdata[0][0] == "p0"

@@ -11,7 +11,8 @@ import torch
 from core.config import ModelConfig
 from core.loss import nft_loss_terms, per_reward_objectives
 from core.models import Policy, build_tiny_pipeline
-from core.per_sample import PerSampleGradients, jacobian_bytes, per_reward_gradients, reward_mixing
+from core.per_sample import (PerSampleGradients, conflict_attribution, jacobian_bytes, per_reward_gradients,
+                             reward_mixing)
 
 BETA, A_MAX = 0.1, 5.0
 
@@ -112,7 +113,7 @@ def test_two_backward_passes_give_every_per_reward_gradient_gram_and_update(tiny
     torch.testing.assert_close(J[:b].sum(0), sum_pos, rtol=1e-10, atol=1e-14)
     torch.testing.assert_close(J[b:].sum(0), sum_neg, rtol=1e-10, atol=1e-14)
     assert (J[:b].norm(dim=1) > 0).all() and not torch.allclose(J[0], J[1])  # per sample, not copies
-    g = per_reward_gradients(J, r, BETA, A_MAX)
+    g, mixing = per_reward_gradients(J, r, BETA, A_MAX)
     # Float64 throughout except a few float32 nodes inside diffusers' SD3 (the sinusoidal timestep
     # embedding): a cotangent rounded there differs between the two orders of summation by ~1e-8 of the
     # gradient's scale; the rewards' gradients differ from each other by ~1e-1 of it.
@@ -131,6 +132,32 @@ def test_two_backward_passes_give_every_per_reward_gradient_gram_and_update(tiny
     torch.testing.assert_close((c @ W) @ J, c @ expected, **tol)
     if k >= 8:
         assert float(g[7].abs().max()) == 0.0  # valid nowhere
+    # which samples drive the worst conflict: each sample's share, against its own autograd gradients
+    att = conflict_attribution(J, mixing, g)
+    if k == 1:
+        assert att is None  # no pair
+        return
+    norms = expected.norm(dim=1)
+    cos = (expected @ expected.T) / torch.outer(norms, norms)
+    pairs = [(a, c_) for a in range(k) for c_ in range(a + 1, k) if norms[a] > 0 and norms[c_] > 0]
+    worst = min(pairs, key=lambda kl: float(cos[kl]))
+    assert (att.k, att.l) == worst and att.cosine == pytest.approx(float(cos[worst]), abs=1e-6)
+    torch.testing.assert_close(att.shares.sum(), torch.tensor(att.cosine, dtype=torch.float64), rtol=0, atol=1e-9)
+    counts = torch.isfinite(r).sum(dim=0)
+
+    def own(reward: int, i: int) -> torch.Tensor:  # sample i's part of g_reward, by autograd on its term alone
+        if not torch.isfinite(r[i, reward]):
+            return torch.zeros(tiny64.num_trainable, dtype=torch.float64)
+        only = torch.full_like(r, float("nan"))
+        only[i] = r[i]
+        term = per_reward_objectives(l_pos, l_neg, only, BETA, A_MAX)[reward] / counts[reward]
+        return _flat_grad(tiny64, term)
+
+    a, c_ = worst
+    brute = torch.stack([0.5 * (own(a, i) @ expected[c_] + own(c_, i) @ expected[a]) / (norms[a] * norms[c_])
+                         for i in range(b)])
+    torch.testing.assert_close(att.shares, brute, rtol=1e-5, atol=1e-7)
+    assert att.shares.abs().max() > 1e-3 and not torch.allclose(att.shares, att.shares.mean().expand(b))
 
 
 def test_the_old_adapter_and_no_grad_forwards_are_not_recorded(tiny64):

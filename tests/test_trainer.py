@@ -211,6 +211,35 @@ def test_previews_render_the_same_prompts_and_seeds_at_every_sample_step(tmp_pat
     assert [(i["prompt"], i["seed"]) for i in other.items] == first
 
 
+def test_a_harmonized_step_says_which_samples_drive_its_worst_conflict(tmp_path):
+    events, on_event = _collect()
+    cfg = small_config("marble", steps=1, sample_every=1, preview_prompts=0, **{"balance.gradients": "per_sample"})
+    train(cfg, tmp_path, on_event)
+    (bal,) = [e for e in events if e.kind == "balance"]
+    att = bal.attribution
+    names, matrix = bal.cosine["names"], bal.cosine["matrix"]
+    k, l = (names.index(n) for n in att["pair"])
+    # the harmonized unit is the one solved on: its worst pair and cosine are the recorded matrix's
+    off = [(matrix[a][b], (a, b)) for a in range(len(names)) for b in range(a + 1, len(names))]
+    assert min(off)[1] == (min(k, l), max(k, l)) and att["cosine"] == pytest.approx(matrix[k][l], abs=1e-9)
+    assert len(att["samples"]) == cfg.nft.micro_batch_size
+    assert sum(s["share"] for s in att["samples"]) == pytest.approx(att["cosine"], abs=1e-9)
+    rollout_prompts = {i["prompt"] for e in events if e.kind == "samples" for i in e.items}
+    assert all(s["prompt"] in rollout_prompts and 0 < s["sigma"] <= 1 for s in att["samples"])
+    assert att["scope"] == "solve"
+    # a step solved whole: its last unit's own conflict, said to be so
+    events, on_event = _collect()
+    train(small_config("marble_full", steps=1, **{"balance.gradients": "per_sample", "balance.harmonize_scope": "step"}),
+          tmp_path / "whole", on_event)
+    (bal,) = [e for e in events if e.kind == "balance"]
+    assert bal.attribution["scope"] == "unit" and len(bal.attribution["samples"]) == cfg.nft.micro_batch_size
+    assert sum(s["share"] for s in bal.attribution["samples"]) == pytest.approx(bal.attribution["cosine"], abs=1e-9)
+    # the K-backward path has no per-sample gradients: no attribution, said by an empty record
+    events, on_event = _collect()
+    train(small_config("marble", steps=1, **{"balance.gradients": "per_reward"}), tmp_path / "k", on_event)
+    assert [e.attribution for e in events if e.kind == "balance"] == [{}]
+
+
 def test_no_previews_when_preview_prompts_is_zero(tmp_path):
     events, on_event = _collect()
     train(small_config("equal", steps=1, sample_every=1, preview_prompts=0), tmp_path, on_event)

@@ -27,6 +27,11 @@ ALPHA_HELP = ("**K** is the number of rewards; 1/K is equal weighting. **α\\***
 COSINE_HELP = ("Cosine between two rewards' gradients at one diagnosed step: +1 they pull the same way, 0 "
                "unrelated, below 0 they pull against each other. The slider picks the training step (it snaps to "
                "the diagnosed step at or before it).")
+ATTRIBUTION_HELP = ("At the slider's step, the pair of rewards whose gradients conflict most (lowest cosine) and each "
+                    "sample's share of that cosine: the bars add up to it. A long bar below 0 is a sample whose "
+                    "gradient for one of the two rewards points against the other's; the colours say which prompt "
+                    "source it came from. Measured exactly from the per-sample gradients of one unit (a micro-batch "
+                    "at one timestep), on runs with balance.gradients = per_sample.")
 
 
 @dataclass
@@ -66,6 +71,7 @@ class View:
     sample_step: Any = field(default_factory=gr.skip)
     gallery: Any = field(default_factory=gr.skip)
     spec: Any = field(default_factory=gr.skip)
+    attribution: Any = field(default_factory=gr.skip)
 
     @staticmethod
     def names() -> list[str]:
@@ -133,6 +139,13 @@ def cos_row(state: DashState) -> dict | None:
     return before[-1] if before else rows[0]
 
 
+def attribution_figure(state: DashState) -> Any:
+    """Who drives the worst conflict at the heatmap's step (read for that one step)."""
+    row = cos_row(state)
+    step = row["step"] if row else None
+    return plots.conflict_attribution(context.store().attribution(state.run_id, step) if row else None, step)
+
+
 def cos_slider(state: DashState) -> Any:
     """The slider in training steps, from the first diagnosed step to the newest (at the newest when following)."""
     rows = state.balance
@@ -158,7 +171,7 @@ def _empty(state: DashState, head: str, message: str) -> View:
     empty = plots.empty_figure("", message)
     note = f"<p class='strip-empty'>{escape(message)}</p>"
     return View(state, head, empty, empty, empty, empty, gr.update(), gr.update(choices=[], value=None), note,
-                gr.update(choices=[], value=None), [], plots.empty_figure("Specialist structure", message))
+                gr.update(choices=[], value=None), [], plots.empty_figure("Specialist structure", message), empty)
 
 
 def _gone(run_id: int) -> View:
@@ -191,7 +204,8 @@ def _samples(view: View) -> View:
 def _render(state: DashState, smoothing: float) -> View:
     """Everything shown for the cached run."""
     rewards, alpha, cosine, conflict = figures(state, smoothing)
-    return _samples(View(state, header(state.run_id), rewards, alpha, cosine, conflict, cos_slider(state)))
+    return _samples(View(state, header(state.run_id), rewards, alpha, cosine, conflict, cos_slider(state),
+                         attribution=attribution_figure(state)))
 
 
 def select_run(run_id: int | None, smoothing: float) -> tuple[Any, ...]:
@@ -218,14 +232,17 @@ def tick(state: DashState | None, smoothing: float) -> tuple[Any, ...]:
         return _gone(state.run_id).outputs()
 
 
-def on_cos(state: DashState | None, step: float) -> tuple[DashState | None, Any]:
-    """The cosine slider released at a training step: the heatmap of the diagnosed step at or before it;
-    back at the right end the heatmap follows new steps again."""
+def on_cos(state: DashState | None, step: float) -> tuple[DashState | None, Any, Any]:
+    """The cosine slider released at a training step: the heatmap and the conflict attribution of the diagnosed
+    step at or before it; back at the right end they follow new steps again."""
     if state is None or not state.balance:
-        return state, gr.skip()
+        return state, gr.skip(), gr.skip()
     state.cos_step = int(step)
     state.cos_follow = state.cos_step >= state.balance[-1]["step"]
-    return state, plots.cosine_heatmap(cos_row(state))
+    try:
+        return state, plots.cosine_heatmap(cos_row(state)), attribution_figure(state)
+    except RunNotFound:
+        return state, gr.skip(), gr.skip()
 
 
 def on_smooth(state: DashState | None, smoothing: float) -> Any:
@@ -274,6 +291,8 @@ def build(timer: gr.Timer) -> dict:
         c["cos_step"] = gr.Slider(0, 1, value=0, step=1, label="Diagnosed step (training step; right = latest)",
                                   info=COSINE_HELP, elem_id="cos-step")
     c["conflict"] = gr.Plot(label="Conflicts", elem_id="plot-conflict")
+    c["attribution"] = gr.Plot(label="Who drives the worst conflict", elem_id="plot-attribution")
+    gr.Markdown(ATTRIBUTION_HELP, elem_id="attribution-help", elem_classes=["help-line"])
     gr.Markdown("### Samples across training", elem_id="strip-title")
     c["strip_prompt"] = gr.Dropdown(choices=[], label="Prompt (sample steps it appears at)", elem_id="strip-prompt")
     c["strip"] = gr.HTML(f"<p class='strip-empty'>{PICK}</p>", elem_id="strip")
@@ -290,7 +309,7 @@ def build(timer: gr.Timer) -> dict:
     reload_btn.click(load_choices, None, run_box)
     run_box.change(select_run, [run_box, smoothing], outs)
     timer.tick(tick, [state, smoothing], outs, show_progress="hidden")
-    c["cos_step"].release(on_cos, [state, c["cos_step"]], [state, c["cosine"]])
+    c["cos_step"].release(on_cos, [state, c["cos_step"]], [state, c["cosine"], c["attribution"]])
     smoothing.release(on_smooth, [state, smoothing], c["rewards"])
     c["strip_prompt"].input(on_strip_prompt, [state, c["strip_prompt"]], [state, c["strip"]])
     c["sample_step"].input(on_sample_step, [state, c["sample_step"]], [c["gallery"], c["spec"]])
