@@ -9,10 +9,9 @@ from typing import Sequence
 
 import numpy as np
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 from app.plots import (RUN_DASHES, RUN_SYMBOLS, _arr, _layout, _uniform_line, alpha_range, ema, empty_figure,
-                       reward_colour)
+                       reward_colour, subplot_grid)
 
 Series = dict[str, tuple[list[int], list[float | None]]]
 
@@ -43,7 +42,7 @@ def overlay_rewards(runs: Sequence[OverlayRun], smoothing: float = 0.6) -> go.Fi
         return empty_figure("Rewards across runs", "Pick two or more runs above.")
     if not names:
         return empty_figure("Rewards across runs", "None of the picked runs has recorded a step yet.")
-    fig = make_subplots(rows=1, cols=len(names), subplot_titles=names, horizontal_spacing=0.05)
+    fig, axes = subplot_grid(1, len(names), names, hspace=0.05, x_title="step")
     for j, run in enumerate(runs):
         dash, symbol = _style(j)
         for i, name in enumerate(names):
@@ -53,13 +52,12 @@ def overlay_rewards(runs: Sequence[OverlayRun], smoothing: float = 0.6) -> go.Fi
             c, x = reward_colour(name), _arr(steps)
             group = f"{run.label} · {name}"
             fig.add_trace(go.Scatter(x=x, y=_arr(values), mode="lines", line=dict(color=c, width=1, dash=dash),
-                                     opacity=0.3, name=f"{group} (raw)", legendgroup=group, showlegend=False),
-                          row=1, col=i + 1)
+                                     opacity=0.3, name=f"{group} (raw)", legendgroup=group, showlegend=False,
+                                     **axes(1, i + 1)))
             fig.add_trace(go.Scatter(x=x, y=_arr(ema(values, smoothing)), mode="lines+markers",
                                      line=dict(color=c, width=2.5, dash=dash),
                                      marker=dict(symbol=symbol, size=7, color=c, maxdisplayed=12), name=group,
-                                     legendgroup=group), row=1, col=i + 1)
-            fig.update_xaxes(title_text="step", row=1, col=i + 1)
+                                     legendgroup=group, **axes(1, i + 1)))
     fig = _layout(fig, f"Mean reward per step, {len(runs)} runs (colour: reward; dash and marker: run; "
                        f"smoothing {smoothing:g})", "overlay-rewards", height=430)
     fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.18, xanchor="left", x=0.0))

@@ -55,11 +55,14 @@ def _open_store(home: str):
 
 
 def bench_dashboard_refresh(steps: int = 20_000, repeats: int = 5) -> dict:
-    """Server time of the dashboard on a long run: the first load (down-sampled read + all figures) and a
-    timer tick that finds one new step (incremental read + figures). The Overlay page shares the timer: its
-    first draw of two such runs and its tick are measured too, and ``tick_with_overlay_ms`` is what one timer
-    tick costs the server with both pages live."""
+    """Server time of the dashboard on a long run through its own handlers: the first load (``select_run``:
+    down-sampled read, every figure, samples, conflict attribution) with the evaluation panel's read, and a timer
+    tick (``tick``) with the evaluation panel's read (what it costs while an evaluation runs; idle, the panel
+    reads every 5th tick), both when nothing is new and when one new step is. The Overlay page shares the timer:
+    its first draw of two such runs and its tick are measured too, and ``tick_with_overlay_ms`` is what one
+    timer tick costs the server with every live panel."""
     from app.pages import dashboard, overlay
+    from app.pages import evaluate as evaluation
     from core.events import StepEvent
     from jobs.writer import EventWriter
 
@@ -77,23 +80,27 @@ def bench_dashboard_refresh(steps: int = 20_000, repeats: int = 5) -> dict:
         into.append(time.perf_counter() - t)
         return out
 
-    def dash_tick(state) -> None:
-        if dashboard.refresh(state):
-            dashboard.figures(state, 0.6)
-        dashboard.header(run_id)
+    def first_load():
+        state = dashboard.select_run(run_id, 0.6)[0]
+        evaluation.panel(run_id)
+        evaluation.checkpoint_choices(run_id)
+        return state
+
+    def dash_tick(state):
+        out = dashboard.tick(state, 0.6)
+        evaluation.panel(run_id)
+        return out[0]
 
     for i in range(repeats):
-        state = timed(lambda: dashboard.load(run_id), first)
-        timed(lambda: (dashboard.figures(state, 0.6), dashboard.header(run_id)), first_figs := [])
-        first[-1] += first_figs[0]
+        state = timed(first_load, first)
         over = timed(lambda: overlay.on_pick(None, [run_id, other], 0.6)[0], over_first)
-        timed(lambda: dash_tick(state), tick)  # the common tick: nothing new since the last one
+        state = timed(lambda: dash_tick(state), tick)  # the common tick: nothing new since the last one
         timed(lambda: overlay.tick(over, 0.6), over_tick)
         # a tick that finds one new step (a live run): incremental read and every figure redrawn
         writer(StepEvent(step=steps + 1 + i, rewards={n: 0.5 for n in REWARDS}, alpha={n: 1 / 3 for n in REWARDS},
                          seconds=1.0, loss=1.0, kl=0.0, grad_norm=1.0, phase="amortized"))
         writer.flush()
-        timed(lambda: dash_tick(state), tick_new)
+        state = timed(lambda: dash_tick(state), tick_new)
         timed(lambda: overlay.tick(over, 0.6), over_tick_new)
 
     def ms(xs: list) -> float:

@@ -120,3 +120,26 @@ def test_the_run_picker_follows_new_runs_only_when_asked(store):
     refused = follow_new_runs(False, old)  # the form refused the start: the current pick stays
     assert refused["value"] == old and len(refused["choices"]) == 2
     assert follow_new_runs(False, old + 100)["value"] is None  # a pick that no longer exists is dropped
+
+
+@pytest.mark.parametrize("rows,cols,hspace,vspace,shared", [(1, 4, 0.06, 0.1, False), (2, 2, 0.08, 0.14, True),
+                                                            (1, 1, 0.05, 0.1, False), (3, 2, 0.1, 0.05, True)])
+def test_the_subplot_grid_lays_out_the_axes_as_plotlys_make_subplots(rows, cols, hspace, vspace, shared):
+    from plotly.subplots import make_subplots
+
+    from app.plots import subplot_grid
+
+    titles = [f"panel {i}" for i in range(rows * cols)]
+    ours, axes = subplot_grid(rows, cols, titles, hspace=hspace, vspace=vspace, shared_x=shared, x_title="step")
+    ref = make_subplots(rows=rows, cols=cols, subplot_titles=titles, horizontal_spacing=hspace,
+                        vertical_spacing=vspace, shared_xaxes=shared)
+    for r in range(1, rows + 1):
+        for c in range(1, cols + 1):
+            cell = axes(r, c)
+            x, y = ours.layout[cell["xaxis"].replace("x", "xaxis")], ours.layout[cell["yaxis"].replace("y", "yaxis")]
+            rx, ry = ref.get_subplot(r, c).xaxis, ref.get_subplot(r, c).yaxis
+            assert x.domain == pytest.approx(rx.domain) and y.domain == pytest.approx(ry.domain)
+            assert (x.anchor, y.anchor) == (rx.anchor, ry.anchor) and x.matches == rx.matches
+            assert (x.title.text == "step") == (r == rows)
+    assert [(a.text, round(a.x, 6), round(a.y, 6)) for a in ours.layout.annotations] == \
+           [(a.text, round(a.x, 6), round(a.y, 6)) for a in ref.layout.annotations]
