@@ -39,6 +39,7 @@ def test_the_diff_of_two_stored_runs_and_the_config_shown(store):
     row = df[df["field"] == "balance.ema_rho"].iloc[0]
     assert (row[f"#{a} base"], row[f"#{b} rho 0.9"]) == ("0.7", "0.9")
     assert summary.startswith("2 fields differ")
+    assert diff_table(a, _run(store, "seed 4", seed=4))[1].startswith("1 field differs, ")
     same, note = diff_table(a, _run(store, "copy"))
     assert same.empty and note.startswith("The two configs are identical")
     assert diff_table(a, a)[1].endswith("pick another run to diff with.")

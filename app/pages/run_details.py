@@ -65,7 +65,7 @@ def diff_table(run_a: Any, run_b: Any) -> tuple[pd.DataFrame, str]:
         lb += " (other)"
     df = pd.DataFrame([[p, _cell(x), _cell(y)] for p, x, y in rows], columns=["field", la, lb])
     same = len(flatten(a.config)) - sum(1 for _, x, _ in rows if x != ABSENT)
-    summary = (f"{len(rows)} field{'s' if len(rows) != 1 else ''} differ, {same} are the same." if rows
+    summary = (f"{len(rows)} {'fields differ' if len(rows) != 1 else 'field differs'}, {same} are the same." if rows
                else f"The two configs are identical ({same} fields).")
     return df, summary
 
