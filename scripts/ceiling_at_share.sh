@@ -3,18 +3,23 @@
 # images (a specialist: its own source's 4 prompts x 4 images = 16 of the 48 a multi-reward step has), 200
 # steps, the presets' other settings. Resumable: finished runs are skipped, started ones resume.
 #   scripts/ceiling_at_share.sh SEED REWARD...        e.g. scripts/ceiling_at_share.sh 0 count_accuracy single_object
+# SHARE_PROMPTS=6 gives a specialist 6 prompts x 4 images = 24 images a step (its share when a step's 12 prompts
+# come from two sources instead of three); those runs go to runs/ceiling-share6/.
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 HF_HUB_OFFLINE=1
 seed=$1; shift
+prompts=${SHARE_PROMPTS:-4}
+root=runs/ceiling-share; [ "$prompts" != 4 ] && root=runs/ceiling-share$prompts
 declare -A SOURCE=([single_object]=world-general [color_fidelity]=world-color [count_accuracy]=world-count
                    [spatial_relation]=world-position)
 one() {  # reward
-  out=runs/ceiling-share/$1-s$seed
+  out=$root/$1-s$seed
   if [ -d $out/checkpoints/step_000200 ]; then return; fi
   resume=""; [ -d $out/checkpoints ] && resume="--resume"
   src=${SOURCE[$1]}
   if [ -n "$src" ]; then  # a specialist: its own source, 4 prompts x 4 images
-    share=(--set "prompts.sources=[\"$src\"]" --set sampling.prompts_per_step=4 --set nft.micro_batch_size=16)
+    share=(--set "prompts.sources=[\"$src\"]" --set sampling.prompts_per_step=$prompts
+           --set nft.micro_batch_size=$((prompts * 4)))
   else  # a general reward is valid on every image of the three sources
     share=(--set 'prompts.sources=["world-general","world-color","world-count"]')
   fi
@@ -22,6 +27,6 @@ one() {  # reward
     --set seed=$seed --set balance.strategy=single --set balance.single_reward=$1 --set "rewards=[\"$1\"]" \
     "${share[@]}" --out $out $resume --quiet > $out.log 2>&1
 }
-mkdir -p runs/ceiling-share
+mkdir -p $root
 for r in "$@"; do one $r & done
 wait

@@ -36,33 +36,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("marble_home")
-    port = free_port()
-    env = {**os.environ, "MARBLE_HOME": str(home), "GRADIO_SERVER_PORT": str(port), "HF_HUB_OFFLINE": "1",
-           "GRADIO_ANALYTICS_ENABLED": "False", "MARBLE_POLL_SECONDS": "0.5", "PYTHONPATH": str(ROOT)}
-    log = open(home / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.time() + 180
+def start_server(home: Path, poll_seconds: str = "0.5") -> tuple[subprocess.Popen, str]:
+    """``python -m app`` on a free loopback port with data directory ``home`` (its log: home/server.log), as
+    ``make run`` starts it; returns (process, url) once it answers."""
     import urllib.request
 
+    port = free_port()
+    env = {**os.environ, "MARBLE_HOME": str(home), "GRADIO_SERVER_PORT": str(port), "HF_HUB_OFFLINE": "1",
+           "GRADIO_ANALYTICS_ENABLED": "False", "MARBLE_POLL_SECONDS": poll_seconds, "PYTHONPATH": str(ROOT)}
+    with open(home / "server.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 180
     while time.time() < deadline:
         try:
             urllib.request.urlopen(url, timeout=2)
-            break
+            return proc, url
         except OSError:
             if proc.poll() is not None:
                 raise RuntimeError((home / "server.log").read_text()[-3000:])
             time.sleep(1)
-    else:
-        raise RuntimeError("the app did not answer in 180 s")
-    yield {"url": url, "home": home}
+    raise RuntimeError("the app did not answer in 180 s")
+
+
+def stop_server(proc: subprocess.Popen, home: Path) -> None:
+    """Stop the app and the detached worker (and any job it runs) of its data directory."""
     os.killpg(proc.pid, 15)
     subprocess.run(["pkill", "-f", f"MARBLE_HOME={home}"], check=False)
-    # stop the detached worker (and any job it runs) of this data directory
     lock = home / "worker.lock"
     if lock.exists() and lock.read_text().strip().isdigit():
         try:
@@ -70,7 +71,14 @@ def server(tmp_path_factory):
         except (ProcessLookupError, PermissionError):
             pass
     proc.wait(timeout=30)
-    log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("marble_home")
+    proc, url = start_server(home)
+    yield {"url": url, "home": home}
+    stop_server(proc, home)
 
 
 @pytest.fixture(scope="module")
