@@ -4,12 +4,15 @@
 # steps, the presets' other settings. Resumable: finished runs are skipped, started ones resume.
 #   scripts/ceiling_at_share.sh SEED REWARD...        e.g. scripts/ceiling_at_share.sh 0 count_accuracy single_object
 # SHARE_PROMPTS=6 gives a specialist 6 prompts x 4 images = 24 images a step (its share when a step's 12 prompts
-# come from two sources instead of three); those runs go to runs/ceiling-share6/.
+# come from two sources instead of three); those runs go to runs/ceiling-share6/. EXTRA adds settings and TAG
+# names their folder, e.g. EXTRA="--set optim.lr=0.00025" TAG=-lr2.5e-4 -> runs/ceiling-share6-lr2.5e-4/.
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 HF_HUB_OFFLINE=1
 seed=$1; shift
 prompts=${SHARE_PROMPTS:-4}
 root=runs/ceiling-share; [ "$prompts" != 4 ] && root=runs/ceiling-share$prompts
+root=$root${TAG:-}
+read -r -a extra <<< "${EXTRA:-}"
 declare -A SOURCE=([single_object]=world-general [color_fidelity]=world-color [count_accuracy]=world-count
                    [spatial_relation]=world-position)
 one() {  # reward
@@ -25,7 +28,7 @@ one() {  # reward
   fi
   /usr/bin/time -f "%e s wall" -o $out.time nice -n 10 .venv/bin/python -m core.train --preset mini-marble \
     --set seed=$seed --set balance.strategy=single --set balance.single_reward=$1 --set "rewards=[\"$1\"]" \
-    "${share[@]}" --out $out $resume --quiet > $out.log 2>&1
+    "${share[@]}" "${extra[@]}" --out $out $resume --quiet > $out.log 2>&1
 }
 mkdir -p $root
 for r in "$@"; do one $r & done
