@@ -79,12 +79,16 @@ def photograph(home: Path, out: Path, steps: int) -> None:
                 page.screenshot(path=str(out / f"{name}.png"), full_page=True)
                 print(f"wrote {out / name}.png")
 
+            def open_with(name: str, reload: str, picker: str, *options: str) -> None:
+                """Tab ``name``, its run list reloaded, ``options`` picked in ``picker``."""
+                tab(page, name)
+                page.locator(f"#{reload}").click()
+                page.wait_for_timeout(1500)
+                pick(page, picker, *options)
+                page.keyboard.press("Escape")
+
             shot("new-run")
-            tab(page, "Dashboard")
-            page.locator("#dash-reload").click()
-            page.wait_for_timeout(1000)
-            pick(page, "dash-run", "MARBLE")
-            page.keyboard.press("Escape")
+            open_with("Dashboard", "dash-reload", "dash-run", "MARBLE")
             for plot in ("plot-rewards", "plot-alpha", "plot-cosine", "plot-conflict"):
                 wait_for_traces(page, plot)
             for part in ("#strip", "#gallery"):
@@ -108,19 +112,12 @@ def photograph(home: Path, out: Path, steps: int) -> None:
             page.locator("#run-diff-note").get_by_text("the same").wait_for(timeout=20_000)
             shot("runs")
 
-            tab(page, "Overlay")
-            page.locator("#overlay-reload").click()
-            page.wait_for_timeout(1000)
-            pick(page, "overlay-runs", "MARBLE", "weighted sum")
-            page.keyboard.press("Escape")
+            open_with("Overlay", "overlay-reload", "overlay-runs", "MARBLE", "weighted sum")
             wait_for_traces(page, "plot-overlay-rewards", at_least=8)
             shot("overlay")
 
-            tab(page, "Compare")
-            page.locator("#compare-reload").click()
-            page.wait_for_timeout(1500)
-            pick(page, "compare-entries", f"MARBLE · step {steps}", f"weighted sum · step {steps}")
-            page.keyboard.press("Escape")
+            open_with("Compare", "compare-reload", "compare-entries", f"MARBLE · step {steps}",
+                      f"weighted sum · step {steps}")
             page.locator("#compare-prompts textarea").fill(  # a held-out prompt of each source
                 "a green square\nthree yellow circles\na red circle and a purple triangle\n"
                 "a purple triangle left of a green square")
@@ -133,18 +130,11 @@ def photograph(home: Path, out: Path, steps: int) -> None:
             page.evaluate("() => window.scrollTo(0, 0)")
             shot("compare")
 
-            tab(page, "Study")
-            page.locator("#study-reload").click()
-            page.wait_for_timeout(1000)
-            pick(page, "study-runs", "MARBLE", "weighted sum")
-            page.keyboard.press("Escape")
+            open_with("Study", "study-reload", "study-runs", "MARBLE", "weighted sum")
             wait_for_traces(page, "plot-pareto", at_least=3)
             shot("study")
 
-            tab(page, "Replay")
-            page.locator("#replay-reload").click()
-            page.wait_for_timeout(1000)
-            pick(page, "replay-run", "MARBLE")
+            open_with("Replay", "replay-reload", "replay-run", "MARBLE")
             wait_for_traces(page, "plot-replay")
             shot("replay")
             browser.close()

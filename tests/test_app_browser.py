@@ -123,7 +123,8 @@ def small_run(page, steps: int, name: str, **extra) -> None:
     page.locator("#run-name textarea, #run-name input").first.fill(name)
     fields = {"steps": steps, "sampling.num_steps": 4, "sampling.prompts_per_step": 2,
               "sampling.images_per_prompt": 4, "nft.micro_batch_size": 8, "num_threads": 1,
-              "balance.harmonize_every": 2, "sample_every": 1, "checkpoint_every": 1, **extra}
+              "balance.harmonize_every": 2, "sample_every": 1, "checkpoint_every": 1, "preview_prompts": 1,
+              **extra}
     for path, value in fields.items():
         set_field(page, path, value)
     # under load the preset's own values can land after ours (the preset change is an event like any other):
