@@ -59,8 +59,9 @@ def overlay_rewards(runs: Sequence[OverlayRun], smoothing: float = 0.6) -> go.Fi
                                      marker=dict(symbol=symbol, size=7, color=c, maxdisplayed=12), name=group,
                                      legendgroup=group, **axes(1, i + 1)))
     fig = _layout(fig, f"Mean reward per step, {len(runs)} runs (colour: reward; dash and marker: run; "
-                       f"smoothing {smoothing:g})", "overlay-rewards", height=430)
-    fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.18, xanchor="left", x=0.0))
+                       f"smoothing {smoothing:g})", "overlay-rewards", height=480)
+    fig.update_layout(margin=dict(b=120),  # the legend under the axes' "step" titles
+                      legend=dict(orientation="h", yanchor="top", y=-0.3, xanchor="left", x=0.0))
     return fig
 
 
@@ -90,6 +91,7 @@ def overlay_alpha(runs: Sequence[OverlayRun]) -> go.Figure:
     fig.update_yaxes(title_text="α applied", range=alpha_range(drawn, 1 / ks[0] if ks else None) if len(ks) <= 1
                      else alpha_range(drawn + [np.array([1 / k for k in ks])], None))
     fig.update_xaxes(title_text="step")
-    fig = _layout(fig, "α applied per step (colour: reward; dash and marker: run)", "overlay-alpha", height=430)
-    fig.update_layout(margin=dict(r=90), legend=dict(orientation="h", yanchor="top", y=-0.18, xanchor="left", x=0.0))
+    fig = _layout(fig, "α applied per step (colour: reward; dash and marker: run)", "overlay-alpha", height=480)
+    fig.update_layout(margin=dict(r=90, b=120), legend=dict(orientation="h", yanchor="top", y=-0.3, xanchor="left",
+                                                            x=0.0))
     return fig

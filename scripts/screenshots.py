@@ -150,11 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--home", type=Path, default=ROOT / "runs" / "screenshots-home",
                     help="the app's data directory for the photographs (made afresh)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "screenshots", help="where the PNGs go")
+    ap.add_argument("--reuse-home", action="store_true",
+                    help="photograph the data directory as it is when it exists (no import or evaluation again)")
     args = ap.parse_args(argv)
     t0 = time.time()
     folders = train(args.runs_dir, args.steps)
     print(f"trained in {time.time() - t0:.0f} s")
-    import_and_evaluate(args.home, folders)
+    if not (args.reuse_home and (args.home / "marble.db").is_file()):
+        import_and_evaluate(args.home, folders)
     photograph(args.home, args.out, args.steps)
     print(f"done in {time.time() - t0:.0f} s")
     return 0
