@@ -52,7 +52,7 @@ def start_comparison(store: Store, name: str, entries: list[dict], prompts: list
     run_ids = sorted({e["run_id"] for e in entries if e.get("run_id") is not None})
     cid = store.add_comparison(name, run_ids, settings=settings)
     job_id = store.create_run({"comparison_id": cid}, strategy="-", total_steps=len(entries), kind=schema.COMPARE,
-                              name=f"compare #{cid} {name}"[:200])
+                              name=f"compare #{cid}: {name}"[:200])
     store.update_comparison(cid, job_id=job_id)
     return cid
 

@@ -101,7 +101,7 @@ def photograph(home: Path, out: Path, steps: int) -> None:
             tab(page, "Runs")
             page.wait_for_function("() => document.querySelector('#runs-table').innerText.includes('weighted sum')",
                                    timeout=30_000)
-            pick(page, "runs-pick", "MARBLE")
+            pick(page, "runs-pick", "MARBLE · succeeded")  # the training run, not a comparison that names it
             page.keyboard.press("Escape")
             page.locator("#run-annotate-message").get_by_text("tags and notes of").wait_for(timeout=30_000)
             diff_with = page.locator("#run-diff-with input")  # by keyboard: a click on this option was refused

@@ -45,6 +45,11 @@ def test_the_diff_of_two_stored_runs_and_the_config_shown(store):
     assert diff_table(a, a)[1].endswith("pick another run to diff with.")
     assert diff_table(a, None)[0].empty
     assert '"ema_rho": 0.7' in config_text(a)
+    from jobs import schema as s
+
+    ev = store.create_run({"run_id": a}, strategy="-", total_steps=2, kind=s.EVALUATE, subject_id=a)
+    table, note = diff_table(ev, b)
+    assert table.empty and note == f"#{ev} is an evaluate job: configs are diffed between training runs; pick one above."
     missing, note = diff_table(a, b + 100)
     assert missing.empty and f"run {b + 100} does not exist" in note
 

@@ -57,6 +57,10 @@ def diff_table(run_a: Any, run_b: Any) -> tuple[pd.DataFrame, str]:
         a, b = store.get_run(int(run_a)), store.get_run(int(run_b))
     except RunNotFound as e:
         return pd.DataFrame({"field": []}), f"{e}: pick another run."
+    for job in (a, b):  # an evaluate or compare job's "config" is its request, not a training config
+        if job.kind != "train":
+            return pd.DataFrame({"field": []}), (f"#{job.id} is {'an' if job.kind[0] in 'aeiou' else 'a'} {job.kind} job: configs are diffed between "
+                                                 f"training runs; pick one above.")
     rows = config_diff(a.config, b.config)
     if int(run_a) == int(run_b):
         return pd.DataFrame({"field": []}), f"{_label(a)} is picked on both sides: pick another run to diff with."
