@@ -25,6 +25,11 @@ def job_choices() -> list[tuple[str, int]]:
             for r in store().list_runs()]
 
 
+def a_job_of_its_kind(run) -> str:
+    """"#3 is a compare job" / "#4 is an evaluate job": how a refusal names a job that is not a training run."""
+    return f"#{run.id} is {'an' if run.kind[0] in 'aeiou' else 'a'} {run.kind} job"
+
+
 def fmt_seconds(x: float | None) -> str:
     if x is None:
         return "—"

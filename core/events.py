@@ -80,8 +80,9 @@ class BalanceEvent(Event):
     cos_to_mean: dict[str, float] = field(default_factory=dict)  # cos(g_k, (1/K)·Σ_j g_j), the paper's Fig. S2
     gradients: str = "per_reward"  # how the g_k were formed: "per_sample" (2 backward passes) or "per_reward" (K)
     # which samples drive the worst conflict (per-sample path only; empty otherwise): {pair: [k, l], cosine,
-    # timestep_index, samples: [{prompt, source, seed, sigma, share}]}, the shares summing to the cosine; measured
-    # on the step's first unit with per-reward gradients (core.per_sample.conflict_attribution)
+    # timestep_index, scope, samples: [{prompt, source, seed, sigma, share}]}, the shares summing to the cosine;
+    # measured on the unit the diagnostics describe, or on the last unit of a step solved whole (scope "unit")
+    # (core.per_sample.conflict_attribution)
     attribution: dict = field(default_factory=dict)
 
 

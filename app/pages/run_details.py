@@ -59,7 +59,7 @@ def diff_table(run_a: Any, run_b: Any) -> tuple[pd.DataFrame, str]:
         return pd.DataFrame({"field": []}), f"{e}: pick another run."
     for job in (a, b):  # an evaluate or compare job's "config" is its request, not a training config
         if job.kind != "train":
-            return pd.DataFrame({"field": []}), (f"#{job.id} is {'an' if job.kind[0] in 'aeiou' else 'a'} {job.kind} job: configs are diffed between "
+            return pd.DataFrame({"field": []}), (f"{context.a_job_of_its_kind(job)}: configs are diffed between "
                                                  f"training runs; pick one above.")
     rows = config_diff(a.config, b.config)
     if int(run_a) == int(run_b):

@@ -130,8 +130,7 @@ def not_a_training_run(run: Any, action: str) -> str | None:
     """Why ``action`` does not apply to ``run`` (an evaluate or compare job), or None for a training run."""
     if run.kind == s.TRAIN:
         return None
-    return (f"#{run.id} is {'an' if run.kind[0] in 'aeiou' else 'a'} {run.kind} job, not a training run: "
-            f"only a training run {action}.")
+    return f"{context.a_job_of_its_kind(run)}, not a training run: only a training run {action}."
 
 
 def duplicate(run_id: Any, fields: list[FormField], n_outputs: int, new_tab: str) -> list[Any]:
