@@ -600,22 +600,27 @@ class Trainer:
     def _save_samples(self, batch: Rollout, indices: torch.Tensor, R: torch.Tensor, A: torch.Tensor) -> None:
         """The rollout images of this process (all of them in a 1-process run), named by global index.
         Shapes: indices [n] (global positions of batch's samples); R, A [n, K]."""
+        order = torch.argsort(indices).tolist()
+        paths = self._write_pngs("samples", batch.images[order], [int(indices[i]) for i in order])
+        items = [{"prompt": batch.prompts[i], "source": batch.metadata[i].get("source"), "seed": batch.seeds[i],
+                  "group": int(batch.groups[i]), "path": path,
+                  "rewards": {n: float(R[i, k]) for k, n in enumerate(self.reward_names)},
+                  "advantages": {n: float(A[i, k]) for k, n in enumerate(self.reward_names)}}
+                 for i, path in zip(order, paths)]
+        self.emit(SampleEvent(step=self.step, items=items))
+
+    def _write_pngs(self, kind: str, images: torch.Tensor, numbers: list[int]) -> list[str]:
+        """``images`` [n, 3, H, W] in [0, 1] as kind/step_NNNNNN/<number>.png; their paths, relative to the run
+        folder (what sample and preview events carry)."""
         from PIL import Image
 
-        rel = Path("samples") / f"step_{self.step:06d}"
-        folder = self.out_dir / rel
-        folder.mkdir(parents=True, exist_ok=True)
-        items = []
-        arr = (batch.images.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
-        for i in torch.argsort(indices).tolist():
-            name = f"{int(indices[i]):03d}.png"
-            Image.fromarray(arr[i]).save(folder / name)
-            items.append({
-                "prompt": batch.prompts[i], "source": batch.metadata[i].get("source"), "seed": batch.seeds[i],
-                "group": int(batch.groups[i]), "path": str(rel / name),
-                "rewards": {n: float(R[i, k]) for k, n in enumerate(self.reward_names)},
-                "advantages": {n: float(A[i, k]) for k, n in enumerate(self.reward_names)}})
-        self.emit(SampleEvent(step=self.step, items=items))
+        rel = Path(kind) / f"step_{self.step:06d}"
+        (self.out_dir / rel).mkdir(parents=True, exist_ok=True)
+        arr = (images.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
+        paths = [str(rel / f"{number:03d}.png") for number in numbers]
+        for image, path in zip(arr, paths):
+            Image.fromarray(image).save(self.out_dir / path)
+        return paths
 
     def preview_items(self) -> tuple[list[PromptItem], list[int]]:
         """The fixed preview prompts and seeds (TrainConfig.preview_prompts): held-out prompts of the run's
@@ -633,8 +638,6 @@ class Trainer:
     def _save_previews(self) -> None:
         """Render the preview prompts with the rollout policy (the sampler training uses), score them and emit
         a PreviewEvent; the images go to previews/step_NNNNNN/."""
-        from PIL import Image
-
         c = self.config.sampling
         items, seeds = self.preview_items()
         prompts, metadata = [it.text for it in items], [dict(it.metadata) for it in items]
@@ -644,16 +647,11 @@ class Trainer:
         images = decode_latents(self.pipe, x0)
         R = self.score(Rollout(x0, images, prompts, metadata, seeds, torch.zeros(len(prompts), dtype=torch.long),
                                emb, self.sigmas))
-        rel = Path("previews") / f"step_{self.step:06d}"
-        (self.out_dir / rel).mkdir(parents=True, exist_ok=True)
-        arr = (images.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
-        out = []
-        for i, (prompt, meta, seed) in enumerate(zip(prompts, metadata, seeds)):
-            name = f"{i:03d}.png"
-            Image.fromarray(arr[i]).save(self.out_dir / rel / name)
-            out.append({"prompt": prompt, "source": meta.get("source"), "seed": seed, "path": str(rel / name),
-                        "rewards": {n: float(R[i, k]) for k, n in enumerate(self.reward_names)}})
-        self.emit(PreviewEvent(step=self.step, items=out))
+        paths = self._write_pngs("previews", images, list(range(len(prompts))))
+        self.emit(PreviewEvent(step=self.step, items=[
+            {"prompt": prompt, "source": meta.get("source"), "seed": seed, "path": path,
+             "rewards": {n: float(R[i, k]) for k, n in enumerate(self.reward_names)}}
+            for i, (prompt, meta, seed, path) in enumerate(zip(prompts, metadata, seeds, paths))]))
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
