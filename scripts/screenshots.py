@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reuse-home", action="store_true",
                     help="photograph the data directory as it is when it exists (no import or evaluation again)")
     args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps={args.steps}: must be an integer >= 1")
     t0 = time.time()
     folders = train(args.runs_dir, args.steps)
     print(f"trained in {time.time() - t0:.0f} s")
