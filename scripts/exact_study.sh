@@ -1,0 +1,26 @@
+#!/bin/bash
+# Issue 20's mini-world study: exact MARBLE on every step (marble_full, the whole step harmonized, per-sample
+# gradients) on the default preset, seeds 0-3, to set beside the amortized-MARBLE runs of the issue-15
+# ablation (docs/ablation-amortized, form "masked"). Two runs at a time, one torch thread each. Resumable:
+# finished runs are skipped, started ones resume from their newest checkpoint.
+#   scripts/exact_study.sh            # SEEDS="2 3" picks seeds
+# then score it on the ablation's held-out prompts:
+#   .venv/bin/python -m core.evaluate --study runs/exact-study/full-s{0,1,2,3} --out docs/exact-study \
+#       --prompts-per-source 24 --seeds 4 --threads 2 --weights raw
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 HF_HUB_OFFLINE=1
+one() {  # seed
+  out=runs/exact-study/full-s$1
+  if [ -d $out/checkpoints/step_000200 ]; then return; fi
+  resume=""; [ -d $out/checkpoints ] && resume="--resume"
+  /usr/bin/time -f "%e s wall" -o $out.time nice -n 10 .venv/bin/python -m core.train --preset mini-marble \
+    --set seed=$1 --set balance.strategy=marble_full --set balance.harmonize_scope=step \
+    --set balance.gradients=per_sample --out $out $resume --quiet > $out.log 2>&1
+}
+mkdir -p runs/exact-study
+seeds=(${SEEDS:-0 1 2 3})
+for ((i = 0; i < ${#seeds[@]}; i += 2)); do
+  one ${seeds[i]} &
+  [ -n "${seeds[i+1]}" ] && one ${seeds[i+1]} &
+  wait
+done
