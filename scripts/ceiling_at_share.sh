@@ -6,6 +6,7 @@
 # SHARE_PROMPTS=6 gives a specialist 6 prompts x 4 images = 24 images a step (its share when a step's 12 prompts
 # come from two sources instead of three); those runs go to runs/ceiling-share6/. EXTRA adds settings and TAG
 # names their folder, e.g. EXTRA="--set optim.lr=0.00025" TAG=-lr2.5e-4 -> runs/ceiling-share6-lr2.5e-4/.
+# STEPS=400 trains 400 steps instead of 200 (name the folder with TAG).
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 HF_HUB_OFFLINE=1
 seed=$1; shift
@@ -13,11 +14,12 @@ prompts=${SHARE_PROMPTS:-4}
 root=runs/ceiling-share; [ "$prompts" != 4 ] && root=runs/ceiling-share$prompts
 root=$root${TAG:-}
 read -r -a extra <<< "${EXTRA:-}"
+steps=${STEPS:-200}
 declare -A SOURCE=([single_object]=world-general [color_fidelity]=world-color [count_accuracy]=world-count
                    [spatial_relation]=world-position)
 one() {  # reward
   out=$root/$1-s$seed
-  if [ -d $out/checkpoints/step_000200 ]; then return; fi
+  if [ -d $out/checkpoints/step_$(printf %06d $steps) ]; then return; fi
   resume=""; [ -d $out/checkpoints ] && resume="--resume"
   src=${SOURCE[$1]}
   if [ -n "$src" ]; then  # a specialist: its own source, 4 prompts x 4 images
@@ -28,7 +30,7 @@ one() {  # reward
   fi
   /usr/bin/time -f "%e s wall" -o $out.time nice -n 10 .venv/bin/python -m core.train --preset mini-marble \
     --set seed=$seed --set balance.strategy=single --set balance.single_reward=$1 --set "rewards=[\"$1\"]" \
-    "${share[@]}" "${extra[@]}" --out $out $resume --quiet > $out.log 2>&1
+    --set steps=$steps "${share[@]}" "${extra[@]}" --out $out $resume --quiet > $out.log 2>&1
 }
 mkdir -p $root
 for r in "$@"; do one $r & done

@@ -42,8 +42,9 @@ spatial_relation/world-position; add `--set optim.lr=0.002` for the faster rate)
 """
 
 
-def summarize(run: Path, window: int = 20) -> tuple[str, str]:
-    """(summary row, full section) for one evaluated single-reward run."""
+def summarize(run: Path, window: int = 20, label: str | None = None) -> tuple[str, str]:
+    """(summary row, full section) for one evaluated single-reward run, named ``label`` (its folder's name)."""
+    label = label or run.name
     if not (run / "config.json").is_file():
         raise SystemExit(f"{run}: no config.json; not a run folder made by `python -m core.train --out {run}`")
     config = TrainConfig.load(run / "config.json")
@@ -58,10 +59,10 @@ def summarize(run: Path, window: int = 20) -> tuple[str, str]:
     if len(values) < window:
         raise SystemExit(f"{run}: {len(values)} steps logged, the report needs at least {window}")
     best = np.convolve(values, np.ones(window) / window, mode="valid").max()
-    row = (f"| `{run.name}` | {reward} | {config.optim.lr:g} | {config.sampling.batch_size} × {len(values)} | "
+    row = (f"| `{label}` | {reward} | {config.optim.lr:g} | {config.sampling.batch_size} × {len(values)} | "
            f"{signed(result['rewards'][reward]['z'])} | "
            f"{values[:window].mean():.3f} → {values[-window:].mean():.3f} ({best:.3f}) |\n")
-    return row, f"\n## `{run.name}`\n\n{run_table(result)}\n"
+    return row, f"\n## `{label}`\n\n{run_table(result)}\n"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,7 +75,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="a markdown file to open the page with (title, setup, commands) instead of the "
                              "first ceiling study's")
     args = parser.parse_args(argv)
-    parts = [summarize(run, args.window) for run in args.runs]
+    studies = {run.resolve().parent for run in args.runs}   # runs of two studies: say which study each is of
+    parts = [summarize(run, args.window, run.name if len(studies) == 1 else f"{run.resolve().parent.name}/{run.name}")
+             for run in args.runs]
     summary = ("| run | reward | lr | images/step × steps | held-out Δ/std | training reward, first → last "
                f"{args.window} steps (best {args.window}) |\n|---|---|---:|---:|---:|---|\n")
     summary += "".join(row for row, _ in parts)

@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -172,6 +173,13 @@ def test_ceiling_report_summarizes_an_evaluated_single_reward_run(tmp_path, caps
     assert row == (f"| `count-alone` | count_accuracy | 0.02 | 8 × 4 | {z:+.2f} | "
                    f"{(values[0] + values[1]) / 2:.3f} → {(values[2] + values[3]) / 2:.3f} ({best:.3f}) |")
     assert "What it shows." in page and "## `count-alone`" in page and "| count_accuracy | ✓ |" in page
+
+    # runs of two studies (here with one name) are told apart by their study's folder
+    twin = tmp_path / "wide" / "count-alone"
+    shutil.copytree(run, twin)
+    report.main(["--out", str(out), "--window", "2", str(run), str(twin)])
+    rows = [line.split(" | ")[0] for line in out.read_text().splitlines() if line.startswith("| `")]
+    assert rows == [f"| `{tmp_path.name}/count-alone`", "| `wide/count-alone`"]
 
     # a folder that is not a run, a run of another strategy, or one not yet evaluated, is refused by name
     with pytest.raises(SystemExit, match="no config.json; not a run folder"):
