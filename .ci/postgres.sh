@@ -30,7 +30,13 @@ marble_pg_start() {
             echo "PostgreSQL: no 'postgres' user to run the server as; its tests will be skipped"
             return 0
         fi
-        as_user=(runuser -u postgres --)
+        local runuser  # /usr/sbin is not on every CI shell's PATH
+        runuser=$(command -v runuser || ls /usr/sbin/runuser /sbin/runuser 2>/dev/null | head -n 1)
+        if [ -z "$runuser" ]; then
+            echo "PostgreSQL: no runuser to start the server as 'postgres'; its tests will be skipped"
+            return 0
+        fi
+        as_user=("$runuser" -u postgres --)
         owner=postgres
     fi
     MARBLE_PG_DIR=$(mktemp -d /tmp/marble-pg.XXXXXX)
