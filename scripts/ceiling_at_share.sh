@@ -8,7 +8,7 @@
 # names their folder, e.g. EXTRA="--set optim.lr=0.00025" TAG=-lr2.5e-4 -> runs/ceiling-share6-lr2.5e-4/.
 # STEPS=400 trains 400 steps instead of 200 (name the folder with TAG).
 cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 HF_HUB_OFFLINE=1
+source scripts/train_run.sh
 seed=$1; shift
 prompts=${SHARE_PROMPTS:-4}
 root=runs/ceiling-share; [ "$prompts" != 4 ] && root=runs/ceiling-share$prompts
@@ -18,9 +18,6 @@ steps=${STEPS:-200}
 declare -A SOURCE=([single_object]=world-general [color_fidelity]=world-color [count_accuracy]=world-count
                    [spatial_relation]=world-position)
 one() {  # reward
-  out=$root/$1-s$seed
-  if [ -d $out/checkpoints/step_$(printf %06d $steps) ]; then return; fi
-  resume=""; [ -d $out/checkpoints ] && resume="--resume"
   src=${SOURCE[$1]}
   if [ -n "$src" ]; then  # a specialist: its own source, 4 prompts x 4 images
     share=(--set "prompts.sources=[\"$src\"]" --set sampling.prompts_per_step=$prompts
@@ -28,9 +25,8 @@ one() {  # reward
   else  # a general reward is valid on every image of the three sources
     share=(--set 'prompts.sources=["world-general","world-color","world-count"]')
   fi
-  /usr/bin/time -f "%e s wall" -o $out.time nice -n 10 .venv/bin/python -m core.train --preset mini-marble \
-    --set seed=$seed --set balance.strategy=single --set balance.single_reward=$1 --set "rewards=[\"$1\"]" \
-    --set steps=$steps "${share[@]}" "${extra[@]}" --out $out $resume --quiet > $out.log 2>&1
+  train_run $root/$1-s$seed $steps 10 --preset mini-marble --set seed=$seed --set balance.strategy=single \
+    --set balance.single_reward=$1 --set "rewards=[\"$1\"]" --set steps=$steps "${share[@]}" "${extra[@]}"
 }
 mkdir -p $root
 for r in "$@"; do one $r & done

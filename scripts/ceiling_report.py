@@ -43,7 +43,7 @@ spatial_relation/world-position; add `--set optim.lr=0.002` for the faster rate)
 
 
 def summarize(run: Path, window: int = 20, label: str | None = None) -> tuple[str, str]:
-    """(summary row, full section) for one evaluated single-reward run, named ``label`` (its folder's name)."""
+    """(summary row, full section) for one evaluated single-reward run, named ``label`` (default: its folder's name)."""
     label = label or run.name
     if not (run / "config.json").is_file():
         raise SystemExit(f"{run}: no config.json; not a run folder made by `python -m core.train --out {run}`")
@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="a markdown file to open the page with (title, setup, commands) instead of the "
                              "first ceiling study's")
     args = parser.parse_args(argv)
-    studies = {run.resolve().parent for run in args.runs}   # runs of two studies: say which study each is of
-    parts = [summarize(run, args.window, run.name if len(studies) == 1 else f"{run.resolve().parent.name}/{run.name}")
+    several = len({run.resolve().parent for run in args.runs}) > 1   # runs of two studies: say which study each is of
+    parts = [summarize(run, args.window, f"{run.resolve().parent.name}/{run.name}" if several else None)
              for run in args.runs]
     summary = ("| run | reward | lr | images/step × steps | held-out Δ/std | training reward, first → last "
                f"{args.window} steps (best {args.window}) |\n|---|---|---:|---:|---:|---|\n")

@@ -8,14 +8,10 @@
 #   .venv/bin/python -m core.evaluate --study runs/exact-study/full-s{0,1,2,3} --out docs/exact-study \
 #       --prompts-per-source 24 --seeds 4 --threads 2 --weights raw
 cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 HF_HUB_OFFLINE=1
+source scripts/train_run.sh
 one() {  # seed
-  out=runs/exact-study/full-s$1
-  if [ -d $out/checkpoints/step_000200 ]; then return; fi
-  resume=""; [ -d $out/checkpoints ] && resume="--resume"
-  /usr/bin/time -f "%e s wall" -o $out.time nice -n 10 .venv/bin/python -m core.train --preset mini-marble \
-    --set seed=$1 --set balance.strategy=marble_full --set balance.harmonize_scope=step \
-    --set balance.gradients=per_sample --out $out $resume --quiet > $out.log 2>&1
+  train_run runs/exact-study/full-s$1 200 10 --preset mini-marble --set seed=$1 --set balance.strategy=marble_full \
+    --set balance.harmonize_scope=step --set balance.gradients=per_sample
 }
 mkdir -p runs/exact-study
 seeds=(${SEEDS:-0 1 2 3})

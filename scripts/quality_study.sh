@@ -7,16 +7,12 @@
 #   .venv/bin/python -m core.evaluate --study runs/quality-study/quality-*-s? --out docs/study-quality \
 #       --prompts-per-source 48 --seeds 6 --threads 2
 cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 HF_HUB_OFFLINE=1
+source scripts/train_run.sh
 seeds=${1:-"0 1 2 3"}; shift
 presets=("$@"); [ ${#presets[@]} -eq 0 ] && presets=(quality-marble quality-weighted-sum quality-equal quality-sequential
                                                        quality-marble-full)
 one() {  # preset seed
-  out=runs/quality-study/$1-s$2
-  if [ -d $out/checkpoints/step_000200 ]; then return; fi
-  resume=""; [ -d $out/checkpoints ] && resume="--resume"
-  /usr/bin/time -f "%e s wall" -o $out.time nice -n 10 .venv/bin/python -m core.train --preset $1 --set seed=$2 \
-    --out $out $resume --quiet > $out.log 2>&1
+  train_run runs/quality-study/$1-s$2 200 10 --preset $1 --set seed=$2
 }
 mkdir -p runs/quality-study
 jobs=()
