@@ -9,12 +9,16 @@
 # STEPS=400 trains 400 steps instead of 200 (name the folder with TAG).
 cd "$(dirname "$0")/.."
 source scripts/train_run.sh
+if [ $# -lt 2 ]; then echo "usage: scripts/ceiling_at_share.sh SEED REWARD..." >&2; exit 2; fi
 seed=$1; shift
+require_whole SEED "$seed" 0
 prompts=${SHARE_PROMPTS:-4}
+require_whole SHARE_PROMPTS "$prompts" 1
 root=runs/ceiling-share; [ "$prompts" != 4 ] && root=runs/ceiling-share$prompts
 root=$root${TAG:-}
 read -r -a extra <<< "${EXTRA:-}"
 steps=${STEPS:-200}
+require_whole STEPS "$steps" 1
 declare -A SOURCE=([single_object]=world-general [color_fidelity]=world-color [count_accuracy]=world-count
                    [spatial_relation]=world-position)
 one() {  # reward
@@ -29,5 +33,6 @@ one() {  # reward
     --set balance.single_reward=$1 --set "rewards=[\"$1\"]" --set steps=$steps "${share[@]}" "${extra[@]}"
 }
 mkdir -p $root
-for r in "$@"; do one $r & done
-wait
+pids=()
+for r in "$@"; do one $r & pids+=($!); done
+wait_all "${pids[@]}"

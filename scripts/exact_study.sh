@@ -13,10 +13,14 @@ one() {  # seed
   train_run runs/exact-study/full-s$1 200 10 --preset mini-marble --set seed=$1 --set balance.strategy=marble_full \
     --set balance.harmonize_scope=step --set balance.gradients=per_sample
 }
-mkdir -p runs/exact-study
 seeds=(${SEEDS:-0 1 2 3})
+for s in "${seeds[@]}"; do require_whole SEEDS "$s" 0; done
+mkdir -p runs/exact-study
+status=0
 for ((i = 0; i < ${#seeds[@]}; i += 2)); do
-  one ${seeds[i]} &
-  [ -n "${seeds[i+1]}" ] && one ${seeds[i+1]} &
-  wait
+  pids=()
+  one ${seeds[i]} & pids+=($!)
+  if [ -n "${seeds[i+1]}" ]; then one ${seeds[i+1]} & pids+=($!); fi
+  wait_all "${pids[@]}" || status=1
 done
+exit $status
