@@ -217,7 +217,8 @@ def evaluate_run(run_dir: str | Path, settings: EvalSettings, base: BaseEvaluati
     images = generate(pipe, base.items, settings, config)
     scores = score_all(images, base.items, settings, base.reward_names)
     result = {
-        "run": str(run_dir), "checkpoint": str(ckpt), "weights": weights, "strategy": config.balance.strategy,
+        "run": str(run_dir), "checkpoint": str(ckpt), "weights": weights, "weights_asked": settings.weights,
+        "strategy": config.balance.strategy,
         "train_rewards": config.reward_names, "settings": base.key, "images": len(images),
         **compare(base.scores, scores, config.reward_names),
         "by_source": {"base": by_source(base.scores, base.items, settings),
@@ -294,7 +295,8 @@ def study(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSetting
     items_text = [it.text for it in eval_items(configs[0].prompts.sources, settings.split,
                                                 settings.prompts_per_source)]
     base = evaluate_base(configs[0], settings, eval_reward_names(union, items_text))
-    results = [evaluate_run(r, settings, base) for r in runs]
+    results = [evaluate_run(r, settings, base) if _has_checkpoint(r) else archived_evaluation(r, settings, base)
+               for r in runs]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -305,6 +307,50 @@ def study(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSetting
     summary = strategy_summary(results)
     (out / "study.md").write_text(study_table(results, base) + ("\n\n" + summary if summary else "") + "\n")
     return doc
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    try:
+        latest_checkpoint(run_dir)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+BASE_TOLERANCE = 1e-4
+"""How far a reward's base-model mean may differ between an archived evaluation and today's base evaluation
+(float sums on another CPU differ in the last digits; a different model or prompt set differs by far more)."""
+
+
+def archived_evaluation(run_dir: Path, settings: EvalSettings, base: BaseEvaluation) -> dict:
+    """A run kept without its checkpoints (config.json, events.jsonl and eval_<split>.json: what a study
+    commits of each run, since run folders do not outlive a session): its stored evaluation, accepted only
+    when it was made with this study's settings and its base model scored what ``base`` scores now."""
+    path = run_dir / f"eval_{settings.split}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"run {str(run_dir)!r} has neither a checkpoint to evaluate nor an evaluation "
+                                f"({path.name}); evaluate it with `python -m core.evaluate --run` while its "
+                                f"checkpoints exist")
+    result = json.loads(path.read_text())
+    if result.get("settings") != base.key:
+        raise ValueError(f"{path}: was evaluated with {result.get('settings')}, this study with {base.key}; "
+                         f"evaluate the run again with the study's settings")
+    asked = result.get("weights_asked", result.get("weights"))
+    if asked != settings.weights:
+        raise ValueError(f"{path}: scored the {asked!r} LoRA; this study scores {settings.weights!r}")
+    rows = result.get("rewards", {})
+    missing = [n for n in base.reward_names if n not in rows]
+    if missing:
+        raise ValueError(f"{path}: has no score for {', '.join(missing)}, which this study evaluates; evaluate the "
+                         f"run again with the study's rewards")
+    for name in base.reward_names:
+        now, then = _stats(base.scores[name])[0], rows[name].get("base_mean", float("nan"))
+        if math.isnan(now) and math.isnan(then):  # the reward applies to none of the prompts, then and now
+            continue
+        if not abs(now - then) <= BASE_TOLERANCE:
+            raise ValueError(f"{path}: the base model scored {name} {then:.6f} then and {now:.6f} now; the "
+                             f"archived evaluation is not comparable with this study's base")
+    return result
 
 
 def _mean_series(series: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:

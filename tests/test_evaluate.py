@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from core.evaluate import (EvalSettings, compare, eval_reward_names, main, strategy_summary, study, study_figures,
-                           write_figures)
+from core.evaluate import (EvalSettings, compare, eval_reward_names, evaluate_run, main, strategy_summary, study,
+                           study_figures, write_figures)
 from core.train import main as train_main
 from tests.helpers import load_script, small_config
 
@@ -99,6 +99,49 @@ def test_study_writes_the_table_and_figures_from_the_runs_own_logs(runs, tmp_pat
         img = np.asarray(Image.open(tmp_path / "study" / name).convert("RGB"))
         assert img.shape[1] > 400 and len(np.unique(img.reshape(-1, 3), axis=0)) > 5  # not blank
     assert doc["runs"][0]["training"]["diagnosed_steps"] == 2
+
+
+def _archive(run, dest):
+    """What a study commits of a run: its config, training log and evaluation, not its checkpoints."""
+    dest.mkdir()
+    for name in ("config.json", "events.jsonl", "eval_test.json"):
+        shutil.copy(run / name, dest / name)
+    return dest
+
+
+def test_a_study_reuses_an_archived_runs_evaluation_only_when_it_is_comparable(runs, tmp_path, capsys):
+    settings = EvalSettings("test", 2, 2)
+    evaluate_run(runs[0], settings)
+    archived = _archive(runs[0], tmp_path / "marble-archived")
+    live = study(runs, tmp_path / "live", settings)
+    doc = study([archived, runs[1]], tmp_path / "from-archive", settings)
+    # the archived run's numbers are its stored ones, the same as evaluating its checkpoint now
+    same = lambda a, b: json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # noqa: E731 (NaN == NaN)
+    assert same(doc["runs"][0]["rewards"], live["runs"][0]["rewards"])
+    assert doc["runs"][0]["training"] == live["runs"][0]["training"]
+    assert (tmp_path / "from-archive" / "alpha.png").is_file()  # figures come from its events.jsonl
+
+    # evaluated with other settings (3 seeds a prompt): refused by name, not mixed into the table
+    evaluate_run(runs[0], EvalSettings("test", 2, 3))
+    other = _archive(runs[0], tmp_path / "other-settings")
+    with pytest.raises(ValueError, match="was evaluated with"):
+        study([other, runs[1]], tmp_path / "refused", settings)
+    # the raw LoRA scored where the study scores the EMA
+    evaluate_run(runs[0], EvalSettings("test", 2, 2, weights="raw"))
+    raw = _archive(runs[0], tmp_path / "raw-weights")
+    with pytest.raises(ValueError, match="scored the 'raw' LoRA"):
+        study([raw, runs[1]], tmp_path / "refused", settings)
+    # a base model that scores differently now (another model, or a changed reward): not comparable
+    stored = json.loads((archived / "eval_test.json").read_text())
+    stored["rewards"]["colorfulness"]["base_mean"] += 0.01
+    (archived / "eval_test.json").write_text(json.dumps(stored))
+    with pytest.raises(ValueError, match="the base model scored colorfulness"):
+        study([archived, runs[1]], tmp_path / "refused", settings)
+    # no checkpoint and no evaluation: the command says what to do, with exit status 2
+    (archived / "eval_test.json").unlink()
+    assert main(["--study", str(archived), str(runs[1]), "--out", str(tmp_path / "x"),
+                 "--prompts-per-source", "2", "--seeds", "2"]) == 2
+    assert "has neither a checkpoint to evaluate nor an evaluation" in capsys.readouterr().out
 
 
 def _panels(fig):
