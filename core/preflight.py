@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import ConfigError, TrainConfig
+from core.rewards.world import TASKS_OF
 
 Applies = Callable[[str, Mapping[str, Any]], bool]
 
@@ -47,10 +48,7 @@ def _geneval(_prompt: str, meta: Mapping[str, Any]) -> bool:
 
 
 APPLIES: dict[str, Applies] = {
-    "color_fidelity": _world("color"),
-    "count_accuracy": _world("count"),
-    "spatial_relation": _world("position"),
-    "world_geneval": _world("single", "color", "count", "position"),
+    **{name: _world(*tasks) for name, tasks in TASKS_OF.items()},
     "ocr": _ocr,
     "geneval": _geneval,
 }
@@ -61,6 +59,8 @@ _NEEDS = {
     "color_fidelity": "world-color prompts (metadata task=color)",
     "count_accuracy": "world-count prompts (metadata task=count)",
     "spatial_relation": "world-position prompts (metadata task=position)",
+    "single_object": "single-object prompts (world-general or world-single; metadata task=single)",
+    "object_size": "world-size prompts (metadata task=size)",
     "world_geneval": "mini-world prompts (a world-* source)",
     "ocr": "prompts with \"quoted\" text (e.g. nft-ocr)",
     "geneval": "GenEval prompts with \"include\" metadata (e.g. nft-geneval)",

@@ -14,12 +14,13 @@ import torch
 from core.prompts import PromptSampler, available_sources, load_source
 from core.rewards import make_reward
 from core.world.checker import detect, geneval_pass, grade
-from core.world.prompts import SOURCES
+from core.rewards.world import TASKS_OF
+from core.world.prompts import SOURCES, TASK_SOURCES
 from core.world.scenes import (COLORS, NUMBERS, PALETTE, RELATIONS, SHAPES, all_specs, caption, random_spec, render,
                                to_tensor, vocabulary)
 
 SPECIALISTS = {"color_fidelity": "world-color", "count_accuracy": "world-count", "spatial_relation": "world-position",
-               "single_object": "world-general"}
+               "single_object": "world-general", "object_size": "world-size"}
 
 
 # ---- generator ------------------------------------------------------------------------------------
@@ -81,9 +82,18 @@ def test_world_sources_are_registered_with_disjoint_splits_and_their_spec_as_met
 
 
 def test_sampler_stratifies_each_step_across_the_four_world_sources():
-    sampler = PromptSampler(list(SOURCES))
+    sampler = PromptSampler(list(TASK_SOURCES))
     items = sampler.sample(8, np.random.default_rng(0), step=0)
-    assert sorted(it.metadata["source"] for it in items) == sorted(list(SOURCES) * 2)
+    assert sorted(it.metadata["source"] for it in items) == sorted(list(TASK_SOURCES) * 2)
+
+
+def test_world_single_and_world_size_split_world_generals_prompts_by_their_size_word():
+    general = {it.text for it in load_source("world-general").split("train") + load_source("world-general").test}
+    single, size = ({it.text for it in load_source(n).train + load_source(n).test} for n in ("world-single", "world-size"))
+    assert single | size == general and not single & size
+    assert all(len(t.split()) == 3 for t in single)  # "a red circle"
+    assert all(t.split()[1] in ("small", "large") for t in size)
+    assert {it.metadata["task"] for it in load_source("world-size").train} == {"size"}
 
 
 # ---- checker on ground truth ----------------------------------------------------------------------
@@ -114,7 +124,7 @@ def test_checker_reads_every_palette_colour_and_shape():
 def _wrong(spec: dict, rng: np.random.Generator) -> dict:
     """A spec whose render is a wrong image for ``spec``'s prompt, on the aspect its reward checks."""
     w = copy.deepcopy(spec)
-    if spec["task"] == "single":  # another colour, and the other size when one is asked
+    if spec["task"] in ("single", "size"):  # another colour, and the other size when one is asked
         w["objects"][0]["color"] = str(rng.choice([c for c in COLORS if c != spec["objects"][0]["color"]]))
         w["size"] = {"small": "large", "large": "small"}.get(spec.get("size"))
     elif spec["task"] == "color":  # different colours for both objects
@@ -148,7 +158,8 @@ def test_specialist_scores_correct_renders_high_wrong_ones_low_and_nan_off_its_s
     assert bool((r_good > r_bad).all())
     # graded, not pass/fail: wrong renders still get partial credit between 0 and the correct ones
     assert 0.0 <= float(r_bad.min()) and float(r_bad.max()) < 1.0
-    others = [load_source(s).test[0] for s in SOURCES if s != SPECIALISTS[reward_name]]
+    others = [load_source(s).test[0] for s, (task, _) in SOURCES.items() if task not in TASKS_OF[reward_name]]
+    assert len(others) >= 3
     off = reward(to_tensor(np.stack([render(it.metadata, 0) for it in others])), [it.text for it in others],
                  [it.metadata for it in others])
     assert bool(torch.isnan(off).all())
@@ -213,10 +224,12 @@ def test_every_specialist_penalizes_stray_objects_of_another_colour(reward_name)
     spec = {"color": {"task": "color", "objects": [red, blue]},
             "count": {"task": "count", "objects": [red], "count": 2},
             "position": {"task": "position", "objects": [red, blue], "relation": "left of"},
-            "general": {"task": "single", "objects": [red], "size": None}}[SPECIALISTS[reward_name].split("-")[1]]
+            "general": {"task": "single", "objects": [red], "size": None},
+            "size": {"task": "size", "objects": [red], "size": "large"}}[SPECIALISTS[reward_name].split("-")[1]]
     second = spec["objects"][-1]  # count asks for two of the same object
     asked = [Placed("red", "circle", 14, 20, 16), Placed(second["color"], second["shape"], 48, 20, 16)]
-    asked = asked[:1] if spec["task"] == "single" else asked
+    asked = asked[:1] if spec["task"] == "single" else [Placed("red", "circle", 16, 18, 28)] if spec["task"] == "size" \
+        else asked
     strays = [Placed("yellow", "triangle", 16, 50, 12), Placed("green", "triangle", 48, 50, 12)]
     reward = make_reward(reward_name)
     meta = dict(spec, source=SPECIALISTS[reward_name])
@@ -235,6 +248,10 @@ def test_world_geneval_is_strict_pass_fail_on_every_world_task():
     spec = {"task": "single", "objects": [{"color": "red", "shape": "circle"}], "size": None}
     blue = render({"task": "single", "objects": [{"color": "blue", "shape": "circle"}], "size": None}, 0)
     assert not geneval_pass(spec, detect(blue))
+    # a sized prompt passes only at the size asked
+    small = {"task": "size", "objects": [{"color": "red", "shape": "circle"}], "size": "small"}
+    assert geneval_pass(small, detect(render(small, 0)))
+    assert not geneval_pass(small, detect(render(dict(small, size="large"), 0)))
     assert math.isnan(float(reward(to_tensor(blue[None]), ["x"], [{"source": "tiny"}])[0]))
 
 
@@ -253,7 +270,7 @@ def test_mini_presets_come_first_and_differ_only_in_the_balancing_strategy():
     configs = [preset(n).to_dict() for n in names]
     assert [c["balance"]["strategy"] for c in configs] == ["marble", "weighted_sum", "equal", "sequential"]
     for c in configs:
-        assert c["model"]["name"] == "mini-world" and c["prompts"]["sources"] == list(SOURCES)
+        assert c["model"]["name"] == "mini-world" and c["prompts"]["sources"] == list(TASK_SOURCES)
         assert {k: v for k, v in c.items() if k != "balance"} == {k: v for k, v in configs[0].items()
                                                                   if k != "balance"}
     stages = configs[3]["balance"]["stages"]

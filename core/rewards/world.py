@@ -7,7 +7,10 @@ carry no advantage signal (ENV_NOTES):
     color_fidelity    world-color prompts     each requested (colour, shape) object present
     count_accuracy    world-count prompts     soft count of objects of the colour vs the number asked
     spatial_relation  world-position prompts  both objects present and the relation between them
-    single_object     world-general prompts   the requested object present and alone, of the size asked
+    single_object     single-object prompts   the requested object present and alone, of the size asked when
+                      (world-general,         one is named
+                      world-single)
+    object_size       world-size prompts      the same check on prompts that name a size ("a small red circle")
     (each specialist also multiplies by exp(-objects beyond those asked): the prompt asks for exactly
     its objects, and otherwise a general reward can be raised with clutter the specialists never see)
     world_geneval     every world prompt      strict pass/fail of the whole prompt (for evaluation)
@@ -22,6 +25,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from core.rewards.base import Reward, register_reward
+
+
+TASKS_OF = {"color_fidelity": ("color",), "count_accuracy": ("count",), "spatial_relation": ("position",),
+            "single_object": ("single",), "object_size": ("size",),
+            "world_geneval": ("single", "color", "count", "position", "size")}
+"""Which world tasks (a prompt's metadata ``task``) each world reward scores; NaN on every other prompt."""
 
 
 class WorldReward(Reward):
@@ -55,28 +64,34 @@ class WorldReward(Reward):
 @register_reward("color_fidelity", "Mini world, colour prompts only: each requested colour-and-shape object "
                                    "present, no others (graded, 0-1; NaN on other prompts)")
 def color_fidelity() -> Reward:
-    return WorldReward(("color",))
+    return WorldReward(TASKS_OF["color_fidelity"])
 
 
 @register_reward("count_accuracy", "Mini world, count prompts only: exp(-|soft count of the colour - n| - other objects), "
                                    "with a little shape credit (0-1; NaN on other prompts)")
 def count_accuracy() -> Reward:
-    return WorldReward(("count",))
+    return WorldReward(TASKS_OF["count_accuracy"])
 
 
 @register_reward("spatial_relation", "Mini world, position prompts only: both objects present, no others, "
                                      "and their relation, graded by the centre margin (0-1; NaN on other prompts)")
 def spatial_relation() -> Reward:
-    return WorldReward(("position",))
+    return WorldReward(TASKS_OF["spatial_relation"])
 
 
 @register_reward("single_object", "Mini world, single-object prompts only: the requested colour-and-shape object, "
                                   "alone, of the requested size if one is named (graded, 0-1; NaN on other prompts)")
 def single_object() -> Reward:
-    return WorldReward(("single",))
+    return WorldReward(TASKS_OF["single_object"])
+
+
+@register_reward("object_size", "Mini world, sized single-object prompts only (world-size): the requested "
+                               "colour-and-shape object, alone, of the size asked (graded, 0-1; NaN on other prompts)")
+def object_size() -> Reward:
+    return WorldReward(TASKS_OF["object_size"])
 
 
 @register_reward("world_geneval", "Mini world, every world prompt: strict pass/fail of the whole prompt "
                                   "(GenEval-style, 0 or 1; NaN on prompts without a world spec)")
 def world_geneval() -> Reward:
-    return WorldReward(("single", "color", "count", "position"), strict=True)
+    return WorldReward(TASKS_OF["world_geneval"], strict=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from core.world.checker import GRADERS, detect, geneval_pass, relation_holds
-from core.world.prompts import SOURCES, world_source
+from core.world.prompts import TASK_SOURCES, world_source
 from core.world.scenes import COLORS, SHAPES, TASK_MIX
 
 MAX_SEQUENCE_LENGTH = 4
@@ -47,7 +47,7 @@ def measure(pipe, guidance: float, num_steps: int = 8, prompts_per_source: int =
     detected object has its colour / its shape (colour chance 1/7, shape chance 1/3); on position prompts,
     how often both requested colours are found and how often the relation then holds (chance 1/2)."""
     results = {}
-    for source in SOURCES:
+    for source in TASK_SOURCES:
         items = world_source(source).test[:prompts_per_source]
         prompts = [it.text for it in items for _ in range(seeds_per_prompt)]
         specs = [it.metadata for it in items for _ in range(seeds_per_prompt)]

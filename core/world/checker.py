@@ -226,12 +226,14 @@ def single_score(spec: dict, dets: list[Detection]) -> float:
     return float(scores[0]) * size_credit(spec, picked[0]) * extra_penalty(len(dets) - 1)
 
 
-GRADERS = {"single": single_score, "color": color_score, "count": count_score, "position": position_score}
+GRADERS = {"single": single_score, "color": color_score, "count": count_score, "position": position_score,
+           "size": single_score}  # a sized single object: single_score already judges its size
 
 
 def geneval_pass(spec: dict, dets: list[Detection]) -> bool:
     """Strict GenEval-style check with hard labels (argmax colour and shape):
-    single/colour: exactly the requested objects; count: exactly n objects, all of the colour and shape;
+    single/colour: exactly the requested objects; size: the one requested object, its extent within ~16 % of the
+    size's range (half its size credit); count: exactly n objects, all of the colour and shape;
     position: both objects present (and nothing else) with the relation holding between their centres."""
     task, objs = spec["task"], spec["objects"]
     labels = [(d.color, d.shape) for d in dets]
@@ -240,6 +242,8 @@ def geneval_pass(spec: dict, dets: list[Detection]) -> bool:
     wanted = [(o["color"], o["shape"]) for o in objs]
     if sorted(labels) != sorted(wanted):
         return False
+    if task == "size":  # alone, the asked object, and its extent within ~16 % of the world's range for the size
+        return size_credit(spec, dets[0]) >= 0.5
     if task == "position":
         a = dets[labels.index(wanted[0])]
         b = dets[labels.index(wanted[1])] if wanted[1] != wanted[0] else dets[[i for i, lab in enumerate(labels)

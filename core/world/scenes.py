@@ -44,7 +44,9 @@ SIZES = ("small", "large")
 SIZE_RANGE = {"small": (9, 12), None: (14, 22), "large": (26, 32), "multi": (10, 16)}
 MIN_GAP = 10  # a relation holds with at least this many pixels between the two centres
 
-TASKS = ("single", "color", "count", "position")
+TASKS = ("single", "color", "count", "position", "size")
+"""``size`` specs are single objects with a size word; their captions and renders are those of ``single``. The task
+exists so that a specialist can score sized prompts alone (world-size), apart from the unsized ones."""
 
 
 # ---- captions ------------------------------------------------------------------------------------
@@ -56,7 +58,7 @@ def _noun(obj: dict) -> str:
 def caption(spec: dict) -> str:
     """The prompt text of a spec."""
     task, objs = spec["task"], spec["objects"]
-    if task == "single":
+    if task in ("single", "size"):
         size = spec.get("size")
         return f"a {size + ' ' if size else ''}{_noun(objs[0])}"
     if task == "color":
@@ -87,6 +89,8 @@ def all_specs(task: str) -> list[dict]:
     if task == "color":  # two objects of different colours and different shapes: colour binding
         return [{"task": "color", "objects": [a, b]} for a in objs for b in objs
                 if a["color"] != b["color"] and a["shape"] != b["shape"]]
+    if task == "size":
+        return [{"task": "size", "objects": [o], "size": z} for z in SIZES for o in objs]
     if task == "count":
         return [{"task": "count", "objects": [o], "count": n} for n in NUMBERS for o in objs]
     if task == "position":
@@ -175,7 +179,7 @@ def relation_margin(relation: str, a: tuple[float, float], b: tuple[float, float
 def layout(spec: dict, rng: np.random.Generator) -> list[Placed]:
     """Where each object of a spec goes (random sizes and positions that satisfy it)."""
     task, objs = spec["task"], spec["objects"]
-    if task == "single":
+    if task in ("single", "size"):
         lo, hi = SIZE_RANGE[spec.get("size")]
         items = [objs[0]]
     elif task == "count":
