@@ -460,10 +460,31 @@ def mean_pm_std(values, digits: int = 2, empty: str = "n/a") -> str:
     return f"{np.mean(v):+.{digits}f}" + (f" ± {np.std(v, ddof=1):.{digits}f}" if len(v) > 1 else "")
 
 
+def _finite(values) -> list[float]:
+    return [float(x) for x in values if x is not None and math.isfinite(x)]
+
+
+def mean_se(values) -> tuple[float, float]:
+    """Mean and standard error (sample std / √n; NaN for fewer than two values) of the finite values."""
+    v = _finite(values)
+    if not v:
+        return float("nan"), float("nan")
+    return float(np.mean(v)), float(np.std(v, ddof=1) / math.sqrt(len(v))) if len(v) > 1 else float("nan")
+
+
+def mean_pm_se(values, digits: int = 2, empty: str = "n/a") -> str:
+    """"+m ± se" over the finite values (standard error of the mean), "+m" for one value, ``empty`` for none."""
+    m, se = mean_se(values)
+    if not math.isfinite(m):
+        return empty
+    return f"{m:+.{digits}f}" + (f" ± {se:.{digits}f}" if math.isfinite(se) else "")
+
+
 def strategy_summary(results: list[dict]) -> str:
-    """Runs grouped by strategy (several seeds of one preset): mean ± sample std over the runs of each
-    training reward's Δ/std and of the composite, and how many runs improved every training reward.
-    Empty when no strategy has two runs."""
+    """Runs grouped by strategy (several seeds of one preset): mean ± standard error over the runs of each
+    training reward's Δ/std and of the composite, the training reward whose mean is lowest (the worst reward,
+    the issue-16 criterion), and how many runs improved every training reward. Empty when no strategy has two
+    runs."""
     groups: dict[str, list[dict]] = {}
     for r in results:
         groups.setdefault(r["strategy"], []).append(r)
@@ -471,14 +492,19 @@ def strategy_summary(results: list[dict]) -> str:
         return ""
     train = list(dict.fromkeys(n for r in results for n in r["train_rewards"]))
     lines = ["| strategy | runs | " + " | ".join(f"{n} Δ/std" for n in train) +
-             " | composite (train) | runs with every training reward up |",
-             "|---|---:|" + "---:|" * (len(train) + 2)]
+             " | composite (train) | worst training reward | runs with every training reward up |",
+             "|---|---:|" + "---:|" * (len(train) + 3)]
     for strategy, runs in groups.items():
-        cells = [mean_pm_std([r["rewards"][n]["z"] for r in runs if n in r["train_rewards"]]) for n in train]
+        zs = {n: [r["rewards"][n]["z"] for r in runs if n in r["train_rewards"]] for n in train}
+        cells = [mean_pm_se(zs[n]) for n in train]
+        means = {n: mean_se(v)[0] for n, v in zs.items() if _finite(v)}
+        worst = min(means, key=means.get) if means else None
         all_up = sum(all(r["rewards"][n]["z"] > 0 for n in r["train_rewards"]) for r in runs)
         lines.append(f"| {strategy} | {len(runs)} | " + " | ".join(cells) +
-                     f" | {mean_pm_std([r['composite_train'] for r in runs])} | {all_up} of {len(runs)} |")
-    lines += ["", "Mean ± sample std over the runs of each strategy (runs differing only in their seed)."]
+                     f" | {mean_pm_se([r['composite_train'] for r in runs])} | "
+                     f"{f'{worst} {mean_pm_se(zs[worst])}' if worst else 'n/a'} | {all_up} of {len(runs)} |")
+    lines += ["", "Mean ± standard error (sample std / √runs) over the runs of each strategy (runs differing only in "
+                  "their seed). Worst training reward: the one whose mean over the runs is lowest."]
     return "\n".join(lines)
 
 

@@ -39,9 +39,10 @@ def test_strategy_summary_spreads_each_strategy_over_its_seeds():
     assert strategy_summary(one_each) == ""  # nothing to spread: the per-run table says it all
     lines = strategy_summary(one_each + [result("marble", 3.0, -0.5)]).splitlines()
     marble = next(line for line in lines if line.startswith("| marble |"))
-    # a: 1 and 3 -> +2.00 ± 1.41; b: 1 and -0.5 -> +0.25 ± 1.06; composite 2 and 2.5; one run has both up
-    assert marble == "| marble | 2 | +2.00 ± 1.41 | +0.25 ± 1.06 | +2.25 ± 0.35 | 1 of 2 |"
-    assert "| weighted_sum | 1 | +2.00 | -1.00 | +1.00 | 0 of 1 |" in lines
+    # a: 1 and 3 -> +2.00, standard error std/√2 = 1.00; b: 1 and -0.5 -> +0.25 ± 0.75; composite 2 and 2.5
+    # (+2.25 ± 0.25); the worst reward is b; one run has both up
+    assert marble == "| marble | 2 | +2.00 ± 1.00 | +0.25 ± 0.75 | +2.25 ± 0.25 | b +0.25 ± 0.75 | 1 of 2 |"
+    assert "| weighted_sum | 1 | +2.00 | -1.00 | +1.00 | b -1.00 | 0 of 1 |" in lines
 
 
 def test_evaluation_uses_training_rewards_first_then_offline_held_out_ones():
