@@ -124,6 +124,48 @@ def _quality_sequential() -> TrainConfig:
     return quality_world("sequential", stages=stages)
 
 
+OBJECT_WORLD_SOURCES = ["world-single", "world-size"]
+OBJECT_WORLD_GENERAL = ["clean_background", "palette_purity", "crisp_edges"]
+OBJECT_WORLD_SPECIALISTS = [("single_object", "world-single"), ("object_size", "world-size")]
+"""The object world (issue 16): the quality world's three general rewards on single-object prompts, with the two
+specialists RL moves on them: single_object on prompts without a size word (the object asked, alone) and
+object_size on prompts with one (the object asked, alone, at that size). Colour binding and count left out: alone
+on their share of a step, RL moved neither to the issue's bar in ten levers (docs/study-quality/levers*/)."""
+
+
+def object_world(strategy: str = "marble", **balance: Any) -> TrainConfig:
+    """mini_world's budget (200 steps, 48 images a step, LoRA r=8, lr 5e-4) on the object world: 12 prompts a step,
+    6 from each source, so each specialist has 24 images of each step."""
+    return mini_world(strategy, sources=OBJECT_WORLD_SOURCES,
+                      rewards=OBJECT_WORLD_GENERAL + [r for r, _ in OBJECT_WORLD_SPECIALISTS], **balance)
+
+
+def _object_sequential() -> TrainConfig:
+    """The sequential baseline on the object world: a third of the budget on each specialist (its own source),
+    then the rest on the three general rewards (both sources, α = 1/3 each)."""
+    third = MINI_WORLD_STEPS // 3
+    stages = [StageConfig([r], third, [src]) for r, src in OBJECT_WORLD_SPECIALISTS]
+    stages.append(StageConfig(list(OBJECT_WORLD_GENERAL), MINI_WORLD_STEPS - 2 * third, list(OBJECT_WORLD_SOURCES)))
+    return object_world("sequential", stages=stages)
+
+
+def _study_family(name: str, world, sequential, marble: str, schedule: str) -> dict[str, tuple[str, Any]]:
+    """A world's five study presets: NAME-marble (described by ``marble``), -weighted-sum, -equal, -sequential
+    (``sequential``, whose stages ``schedule`` describes) and -marble-full, all on ``world(strategy, **balance)``'s
+    budget."""
+    return {
+        f"{name}-marble": (marble, world),
+        f"{name}-weighted-sum": (f"{name}-marble's budget with the weighted-sum baseline (one scalar reward).",
+                                 lambda: world("weighted_sum")),
+        f"{name}-equal": (f"{name}-marble's budget with fixed equal α = 1/K (per-reward advantages, no QP).",
+                          lambda: world("equal")),
+        f"{name}-sequential": (f"{name}-marble's budget as a sequential schedule: {schedule}.", sequential),
+        f"{name}-marble-full": (f"Exact MARBLE on every step: the whole step harmonized at every step (per-sample "
+                                f"gradients), {name}-marble's budget.",
+                                lambda: world("marble_full", harmonize_scope="step")),
+    }
+
+
 PRESETS: dict[str, tuple[str, Any]] = {
     "mini-marble": ("The default: MARBLE (N=10, ρ=0.7) on the pretrained mini-world SD3 with three specialist "
                     "rewards and a general one; 200 steps, ~9 min on 2 CPU cores.", mini_world),
@@ -133,18 +175,16 @@ PRESETS: dict[str, tuple[str, Any]] = {
                    lambda: mini_world("equal")),
     "mini-sequential": ("mini-marble's budget as a sequential schedule: 50 steps per specialist, then 50 on "
                         "the general reward.", _mini_sequential),
-    "quality-marble": ("MARBLE (N=10, ρ=0.7) on the mini-world SD3 with the paper's reward structure: three "
-                       "general quality rewards that agree (clean background, palette purity, crisp edges) and "
-                       "three specialists; 200 steps (wall clock on 2 quiet cores not measured yet).", quality_world),
-    "quality-weighted-sum": ("quality-marble's budget with the weighted-sum baseline (one scalar reward).",
-                             lambda: quality_world("weighted_sum")),
-    "quality-equal": ("quality-marble's budget with fixed equal α = 1/K (per-reward advantages, no QP).",
-                      lambda: quality_world("equal")),
-    "quality-sequential": ("quality-marble's budget as a sequential schedule: 50 steps per specialist, then 50 on "
-                           "the three general rewards.", _quality_sequential),
-    "quality-marble-full": ("Exact MARBLE on every step: the whole step harmonized at every step (per-sample "
-                            "gradients), quality-marble's budget.",
-                            lambda: quality_world("marble_full", harmonize_scope="step")),
+    **_study_family("quality", quality_world, _quality_sequential,
+                    "MARBLE (N=10, ρ=0.7) on the mini-world SD3 with the paper's reward structure: three general quality "
+                    "rewards that agree (clean background, palette purity, crisp edges) and three specialists; 200 "
+                    "steps (wall clock on 2 quiet cores not measured yet).",
+                    "50 steps per specialist, then 50 on the three general rewards"),
+    **_study_family("object", object_world, _object_sequential,
+                    "MARBLE (N=10, ρ=0.7) on the mini-world SD3's single-object prompts: three general quality rewards "
+                    "(clean background, palette purity, crisp edges) and two specialists (the object alone; the "
+                    "object at the size asked); 200 steps.",
+                    "66 steps per specialist, then 68 on the three general rewards"),
     "tiny": ("Tiny random-weight SD3, three weight-free rewards, MARBLE (N=10, ρ=0.7). Seconds per step.",
              _preset_tiny),
     "tiny-weighted-sum": ("The tiny preset with the weighted-sum baseline.",

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The amortized-combination ablation of issue 15 (docs/faithfulness.md). Resumable: finished runs are skipped,
 # started ones resume from their newest checkpoint.
-# 8 runs, 2 at a time: mini-marble with balance.amortized_combination masked vs authors, seeds 0-3.
+# 8 runs, 2 at a time (a failing one is named on stderr, exit 1): mini-marble with balance.amortized_combination masked vs authors, seeds 0-3.
 cd "$(dirname "$0")/.."
 source scripts/train_run.sh
 one() {  # form seed
@@ -9,6 +9,6 @@ one() {  # form seed
     --set balance.amortized_combination=$1 --set balance.gradients=per_reward
 }
 mkdir -p runs/ablation-amortized
-for s in ${SEEDS:-0 1 2 3}; do
-  one masked $s & one authors $s & wait
-done
+jobs=()
+for s in ${SEEDS:-0 1 2 3}; do require_whole SEEDS "$s" 0; jobs+=("masked $s" "authors $s"); done
+in_pairs one "${jobs[@]}"

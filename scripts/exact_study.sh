@@ -16,11 +16,4 @@ one() {  # seed
 seeds=(${SEEDS:-0 1 2 3})
 for s in "${seeds[@]}"; do require_whole SEEDS "$s" 0; done
 mkdir -p runs/exact-study
-status=0
-for ((i = 0; i < ${#seeds[@]}; i += 2)); do
-  pids=()
-  one ${seeds[i]} & pids+=($!)
-  if [ -n "${seeds[i+1]}" ]; then one ${seeds[i+1]} & pids+=($!); fi
-  wait_all "${pids[@]}" || status=1
-done
-exit $status
+in_pairs one "${seeds[@]}"

@@ -27,3 +27,16 @@ require_whole() {
     exit 2
   fi
 }
+# in_pairs FN JOB...: FN with each JOB's words as arguments, two jobs at a time (the scripts' two cores); fails when
+# any failed, after all have run.
+in_pairs() {
+  local fn=$1 i status=0 pids; shift
+  local jobs=("$@")
+  for ((i = 0; i < ${#jobs[@]}; i += 2)); do
+    pids=()
+    $fn ${jobs[i]} & pids+=($!)
+    if [ -n "${jobs[i+1]:-}" ]; then $fn ${jobs[i+1]} & pids+=($!); fi
+    wait_all "${pids[@]}" || status=1
+  done
+  return $status
+}

@@ -38,11 +38,4 @@ one() {  # preset seed
 mkdir -p "$runs" "$archive"
 jobs=()
 for s in $seeds; do for p in "$@"; do jobs+=("$p $s"); done; done
-status=0
-for ((i = 0; i < ${#jobs[@]}; i += 2)); do
-  pids=()
-  one ${jobs[i]} & pids+=($!)
-  if [ -n "${jobs[i+1]:-}" ]; then one ${jobs[i+1]} & pids+=($!); fi
-  wait_all "${pids[@]}" || status=1
-done
-exit $status
+in_pairs one "${jobs[@]}"

@@ -290,3 +290,30 @@ def test_single_object_reward_grades_the_size_asked():
     assert values["small", "small"] > 0.8 and values["large", "large"] > 0.8
     assert values["small", "large"] < 0.2 and values["large", "small"] < 0.2
     assert values[None, "small"] > 0.8 and values[None, "large"] > 0.8  # no size named, no size judged
+
+
+@pytest.mark.parametrize("family, sources", [("quality", ["world-general", "world-color", "world-count"]),
+                                             ("object", ["world-single", "world-size"])])
+def test_a_world_studys_presets_share_everything_but_the_balancing_and_cover_every_reward(family, sources):
+    from core.config import PRESETS, TrainConfig, preset
+    from core.preflight import reward_coverage
+
+    names = [n for n in PRESETS if n.startswith(f"{family}-")]
+    assert names == [f"{family}-{s}" for s in ("marble", "weighted-sum", "equal", "sequential", "marble-full")]
+    configs = [preset(n) for n in names]
+    for c in configs:
+        c.validate()
+        reward_coverage(c)  # every specialist has its prompts
+    dicts = [c.to_dict() for c in configs]
+    assert dicts[0]["prompts"]["sources"] == sources and dicts[0]["steps"] == 200
+    for d in dicts:
+        assert {k: v for k, v in d.items() if k != "balance"} == {k: v for k, v in dicts[0].items() if k != "balance"}
+    assert [d["balance"]["strategy"] for d in dicts] == ["marble", "weighted_sum", "equal", "sequential", "marble_full"]
+    # the sequential schedule spends the same budget, each specialist on its own source, every reward once
+    stages = configs[3].balance.stages
+    assert sum(s.steps for s in stages) == 200
+    assert sorted(r for s in stages for r in s.rewards) == sorted(r.name for r in configs[0].rewards)
+    for s in stages[:-1]:  # a specialist's stage reads only its source, which holds its prompts
+        (reward,) = s.rewards
+        reward_coverage(TrainConfig.from_dict(dict(dicts[0], prompts={"sources": s.sources, "split": "train"},
+                                                   rewards=[{"name": reward}], balance={"strategy": "equal"})))
