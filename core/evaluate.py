@@ -452,14 +452,6 @@ def study_table(results: list[dict], base: BaseEvaluation) -> str:
     return "\n".join(lines)
 
 
-def mean_pm_std(values, digits: int = 2, empty: str = "n/a") -> str:
-    """"+m ± s" over the finite values (sample std), "+m" for one value, ``empty`` for none."""
-    v = [float(x) for x in values if x is not None and math.isfinite(x)]
-    if not v:
-        return empty
-    return f"{np.mean(v):+.{digits}f}" + (f" ± {np.std(v, ddof=1):.{digits}f}" if len(v) > 1 else "")
-
-
 def _finite(values) -> list[float]:
     return [float(x) for x in values if x is not None and math.isfinite(x)]
 

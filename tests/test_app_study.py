@@ -56,7 +56,7 @@ def test_a_bad_seed_count_is_refused_and_queues_nothing(store, seeds):
     assert st.list_runs() == [] and started == []
 
 
-def test_by_strategy_gives_mean_and_sample_std_over_each_strategys_runs():
+def test_by_strategy_gives_mean_and_standard_error_over_each_strategys_runs():
     from app.pages.study import by_strategy
 
     df = pd.DataFrame([
@@ -66,7 +66,7 @@ def test_by_strategy_gives_mean_and_sample_std_over_each_strategys_runs():
     ])
     out = by_strategy(df).set_index("strategy")
     assert out.loc["marble", "runs"] == 2 and out.loc["weighted_sum", "runs"] == 1
-    assert out.loc["marble", "Δa (σ)"] == "+2.000 ± 1.414"  # sample std of 1 and 3
+    assert out.loc["marble", "Δa (σ)"] == "+2.000 ± 1.000"  # 1 and 3: sample std 1.414, over √2 runs
     assert out.loc["marble", "Δb (σ)"] == "-1.000"  # the missing value is left out, not counted as 0
     assert out.loc["weighted_sum", "composite (σ)"] == "+0.750"
     assert by_strategy(pd.DataFrame()).empty

@@ -11,7 +11,7 @@ import gradio as gr
 import pandas as pd
 
 from app import context, plots
-from core.evaluate import mean_pm_std
+from core.evaluate import mean_pm_se
 from jobs.storage import RunNotFound
 
 WINDOW = 0.1  # share of a run's steps averaged for its start and end values
@@ -119,8 +119,9 @@ def study_note(df: pd.DataFrame) -> str:
 
 
 def by_strategy(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per strategy: how many runs, and mean ± sample std over them of every improvement column
-    (Δ per reward and the composite) — the spread over seeds that one run per strategy cannot show."""
+    """One row per strategy: how many runs, and mean ± standard error over them of every improvement column
+    (Δ per reward and the composite) — the uncertainty over seeds that one run per strategy cannot show, in the
+    units two strategies are compared in."""
     if not df.empty and "state" in df:
         df = df[df["state"] == "finished"]
     if df.empty or "strategy" not in df:
@@ -130,7 +131,7 @@ def by_strategy(df: pd.DataFrame) -> pd.DataFrame:
     for strategy, group in df.groupby("strategy", sort=False):
         row: dict[str, Any] = {"strategy": strategy, "runs": len(group)}
         for c in cols:
-            row[c] = mean_pm_std(pd.to_numeric(group[c], errors="coerce"), digits=3, empty="")
+            row[c] = mean_pm_se(pd.to_numeric(group[c], errors="coerce"), digits=3, empty="")
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -192,7 +193,7 @@ def build() -> dict:
                 elem_classes=["help-line"])
     summary = gr.Dataframe(no_summary,
                            label="By strategy: the chosen runs of each strategy pooled (e.g. a study's seeds), "
-                                 "mean ± std of each improvement",
+                                 "mean ± standard error (std / √runs) of each improvement",
                            interactive=False, elem_id="study-summary")
     with gr.Row():
         x_pick = gr.Dropdown(choices=[], label="Pareto x", elem_id="study-x")
