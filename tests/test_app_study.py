@@ -1,5 +1,5 @@
 """A study repeated over seeds: "Start study" queues strategies × seeds into a real SQLite store, and the
-Study page's per-strategy summary gives mean ± std over each strategy's runs."""
+Study page's per-strategy summary gives mean ± standard error over each strategy's runs."""
 
 import pandas as pd
 import pytest
