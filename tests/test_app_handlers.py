@@ -216,3 +216,15 @@ def test_replay_of_a_run_deleted_since_the_picker_was_filled_says_so(web_store):
 
     fig, note = render(42, 0.7, 10, True)
     assert "run 42 does not exist: press Reload runs." in fig.layout.annotations[0].text
+
+
+def test_every_preset_note_names_its_model_and_the_studied_worlds_give_a_measured_duration():
+    from app.pages.new_run import preset_note
+    from core.config import available_presets
+
+    for name in available_presets():
+        note = preset_note(name)
+        assert note.startswith(available_presets()[name]) and "**Model:**" in note and "**Expected duration:**" in note
+        if name.startswith(("mini-", "object-")):
+            assert "mini-world" in note and "minutes on 2 CPU cores" in note and "measured" in note
+    assert preset_note("no-such-preset") == "" and preset_note(None) == ""

@@ -91,9 +91,15 @@ def start_study(preset_name: str, run_name: str, rewards: list[str], weights: st
 
 # What a newcomer needs before pressing Start: which model the preset trains and how long it takes. Durations are
 # measured on this project's 2-core CPU machine (README "Presets and models"); a preset not listed says so.
+MINI_WORLD_MODEL = "the pretrained **mini-world** SD3 (1.6 M parameters, 64 px shapes world)"
 PRESET_MODELS = {
-    "mini": ("the pretrained **mini-world** SD3 (1.6 M parameters, 64 px shapes world)",
+    "mini": (MINI_WORLD_MODEL,
              "about 9 minutes on 2 CPU cores (mini-marble measured 8 min 51 s; the baselines train the same budget)"),
+    "object": (MINI_WORLD_MODEL,
+               "about 14 minutes on 2 CPU cores (object-marble and object-weighted-sum measured 13 min 30 s and 13 min "
+               "38 s, side by side; the other baselines train the same budget)"),
+    "quality": (MINI_WORLD_MODEL, "not measured on quiet cores (a one-seed pilot took 88 minutes on a machine "
+                                  "loaded with other jobs)"),
     "tiny": ("a **random-weight** tiny SD3 (0.6 M parameters): its images are coloured noise by design, and its "
              "rewards move in the third decimal. It checks that the machinery runs; it is not meant to learn",
              "seconds per step on 2 quiet CPU cores, so its {steps} steps take a minute or two (more while other "
