@@ -4,7 +4,7 @@
 #   e.g. scripts/world_study.sh docs/study-object/runs "0 1 2 3" object-marble object-weighted-sum
 # Trains every PRESET x SEED into runs/study/PRESET-sSEED, two runs at a time with one torch thread each; evaluates
 # each run as soon as it finishes, on held-out prompts (EVAL_ARGS, default "--prompts-per-source 48 --seeds 12"),
-# and keeps what a study needs of it in ARCHIVE/PRESET-sSEED: config.json, events.jsonl, eval_test.json and .md
+# and keeps what a study needs of it in ARCHIVE/PRESET-sSEED: config.json, events.jsonl.gz, eval_test.json and .md
 # (run folders, checkpoints included, do not outlive a session; commit the archive). A run whose archive holds its
 # evaluation is skipped and a started run resumes, so the same command continues the study in the next session.
 # Then score the study from the archive (core.evaluate reuses each stored evaluation; same EVAL_ARGS):
@@ -33,7 +33,8 @@ one() {  # preset seed
     echo "$run: evaluation failed: $(tail -n 1 "$run.eval.log")" >&2
     return 1
   fi
-  mkdir -p "$archive/$name" && cp "$run"/{config.json,events.jsonl,eval_test.json,eval_test.md} "$archive/$name/"
+  mkdir -p "$archive/$name" && cp "$run"/{config.json,eval_test.json,eval_test.md} "$archive/$name/" &&
+    gzip -nc "$run/events.jsonl" > "$archive/$name/events.jsonl.gz"
 }
 mkdir -p "$runs" "$archive"
 jobs=()

@@ -1,5 +1,6 @@
 """Evaluation: Table-1 arithmetic, the reward set, and the --run / --study commands end to end on tiny runs."""
 
+import gzip
 import json
 import math
 import shutil
@@ -103,10 +104,11 @@ def test_study_writes_the_table_and_figures_from_the_runs_own_logs(runs, tmp_pat
 
 
 def _archive(run, dest):
-    """What a study commits of a run: its config, training log and evaluation, not its checkpoints."""
+    """What a study commits of a run: its config, compressed training log and evaluation, not its checkpoints."""
     dest.mkdir()
-    for name in ("config.json", "events.jsonl", "eval_test.json"):
+    for name in ("config.json", "eval_test.json"):
         shutil.copy(run / name, dest / name)
+    (dest / "events.jsonl.gz").write_bytes(gzip.compress((run / "events.jsonl").read_bytes()))
     return dest
 
 

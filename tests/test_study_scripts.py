@@ -54,7 +54,8 @@ def test_the_world_study_archives_each_evaluated_run_and_skips_it_in_a_later_ses
     done = run_script("world_study.sh", str(archive), "0", "tiny", timeout=600, **env)
     assert done.returncode == 0, done.stderr
     kept = archive / "tiny-s0"
-    assert sorted(p.name for p in kept.iterdir()) == ["config.json", "eval_test.json", "eval_test.md", "events.jsonl"]
+    assert sorted(p.name for p in kept.iterdir()) == ["config.json", "eval_test.json", "eval_test.md",
+                                                      "events.jsonl.gz"]
     assert (runs / "tiny-s0" / "checkpoints" / "step_000002").is_dir()
     # the next session: the run folder is gone, the archive was committed; nothing is trained again
     shutil.rmtree(runs)
