@@ -331,7 +331,7 @@ BASE_TOLERANCE = 1e-4
 
 
 def archived_evaluation(run_dir: Path, settings: EvalSettings, base: BaseEvaluation) -> dict:
-    """A run kept without its checkpoints (config.json, events.jsonl and eval_<split>.json: what a study
+    """A run kept without its checkpoints (config.json, events.jsonl[.gz] and eval_<split>.json: what a study
     commits of each run, since run folders do not outlive a session): its stored evaluation, accepted only
     when it was made with this study's settings and its base model scored what ``base`` scores now."""
     path = run_dir / f"eval_{settings.split}.json"
