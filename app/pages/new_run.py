@@ -96,8 +96,8 @@ PRESET_MODELS = {
     "mini": (MINI_WORLD_MODEL,
              "about 9 minutes on 2 CPU cores (mini-marble measured 8 min 51 s; the baselines train the same budget)"),
     "object": (MINI_WORLD_MODEL,
-               "about 14 minutes on 2 CPU cores (object-marble and object-weighted-sum measured 13 min 30 s and 13 min "
-               "38 s, side by side; the other baselines train the same budget)"),
+               "about 14 minutes on 2 CPU cores (measured with a second run beside it: object-marble 13 min 30 s, "
+               "the weighted sum, equal and sequential baselines 13 to 14 1/2 min, object-marble-full 15 min 42 s)"),
     "quality": (MINI_WORLD_MODEL, "not measured on quiet cores (a one-seed pilot took 88 minutes on a machine "
                                   "loaded with other jobs)"),
     "tiny": ("a **random-weight** tiny SD3 (0.6 M parameters): its images are coloured noise by design, and its "
