@@ -130,7 +130,9 @@ OBJECT_WORLD_SPECIALISTS = [("single_object", "world-single"), ("object_size", "
 """The object world (issue 16): the quality world's three general rewards on single-object prompts, with the two
 specialists RL moves on them: single_object on prompts without a size word (the object asked, alone) and
 object_size on prompts with one (the object asked, alone, at that size). Colour binding and count left out: alone
-on their share of a step, RL moved neither to the issue's bar in ten levers (docs/study-quality/levers*/)."""
+on their share of a step, RL moved neither to the issue's bar, count with any of seven levers (a larger share, a
+lower rate, LoRA beyond attention, twice the steps, a better base, rank 32, more training timesteps) and colour with
+any of three (docs/study-quality/)."""
 
 
 def object_world(strategy: str = "marble", **balance: Any) -> TrainConfig:
