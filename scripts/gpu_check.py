@@ -14,8 +14,8 @@ models (K=5 synthetic rewards standing in for PickScore, HPSv2.1, CLIPScore, OCR
 applicable to a third of the prompts each, as with the paper's three prompt sources).
 
 Measured per strategy (fresh LoRA each): seconds per training step and the peak CUDA memory allocated,
-after one warm-up step. MARBLE (N=10) is timed over a whole refresh window (9 amortized steps + 1 full
-step), so its mean is the amortized cost the paper reports (0.97x weighted sum's speed, 1.14x its memory);
+after one warm-up step, as a mean with its standard error over the timed steps. MARBLE (N=10) is timed over
+two whole refresh windows (9 amortized steps + 1 full step, twice), so its mean is the amortized cost the paper reports (0.97x weighted sum's speed, 1.14x its memory);
 ``marble_full`` solves the QP every step (paper: 0.56x speed). The step here is shorter than the paper's
 (fewer units: micro-batches x timesteps), so the JSON also projects each ratio to the paper's per-GPU step
 (72 samples in micro-batches of 8, 24 timesteps: 216 units) from the measured per-unit costs; both are
@@ -164,7 +164,8 @@ def measure(strategy: str, args, device: torch.device, model: str, steps: int, s
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         units = math.ceil(config.sampling.batch_size / config.nft.micro_batch_size) * max(
             1, int(len(trainer.sigmas) * config.nft.timestep_fraction))
-        result = {"seconds_per_step": float(np.mean(times)), "step_seconds": times, "full_steps": full,
+        result = {"seconds_per_step": float(np.mean(times)), "seconds_per_step_se": standard_error(times),
+                  "step_seconds": times, "full_steps": full,
                   "gradients": trainer.gradient_path,
                   "peak_memory_gib": peak, "units_per_step": units,
                   "trainable_parameters": trainer.policy.num_trainable,
@@ -178,6 +179,19 @@ def measure(strategy: str, args, device: torch.device, model: str, steps: int, s
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def standard_error(values) -> float | None:
+    return float(np.std(values, ddof=1) / math.sqrt(len(values))) if len(values) > 1 else None
+
+
+def ratio(a: dict, b: dict) -> tuple[float, float | None]:
+    """b's time over a's (a speed ratio: a is the slower one when < 1) and its standard error (delta method)."""
+    r = b["seconds_per_step"] / a["seconds_per_step"]
+    if a.get("seconds_per_step_se") is None or b.get("seconds_per_step_se") is None:
+        return r, None
+    return r, r * math.hypot(a["seconds_per_step_se"] / a["seconds_per_step"],
+                             b["seconds_per_step_se"] / b["seconds_per_step"])
 
 
 def project(results: dict, units: int, N: int = 10) -> dict:
@@ -218,8 +232,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--timestep-fraction", type=float, default=0.1,
                         help="share of the 25-step grid each sample trains on (the paper: 0.99; 0.1 = 2 timesteps "
                              "keeps the check short — per-unit costs do not depend on it)")
-    parser.add_argument("--marble-steps", type=int, default=10, help="timed MARBLE steps (one refresh window: N)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps of the other strategies (default 3)")
+    parser.add_argument("--marble-steps", type=int, default=20,
+                        help="timed MARBLE steps (default 20: two refresh windows of N=10)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps of the other strategies (default 5)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--skip-step-scope", action="store_true", help="skip marble_full with harmonize_scope=step")
     args = parser.parse_args(argv)
@@ -236,18 +251,27 @@ def main(argv: list[str] | None = None) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True
     model = register_random_sd35(args.tiny, device)
     started = time.perf_counter()
-    results = {"weighted_sum": measure("weighted_sum", args, device, model, args.steps),
-               "marble": measure("marble", args, device, model, args.marble_steps),
-               "marble_full": measure("marble_full", args, device, model, args.steps)}
+    plan = [("weighted_sum", "weighted_sum", args.steps, {}),
+            ("marble", "marble", args.marble_steps, {}),
+            ("marble_full", "marble_full", args.steps, {})]
     if not args.skip_step_scope:
         # exact MARBLE on every step: per-reward gradients from per-sample ones (two backward passes, the
         # default) and from K backward passes (README, "Exact MARBLE on every step")
-        results["marble_full_step_scope"] = measure("marble_full", args, device, model, args.steps, scope="step")
-        results["marble_full_step_scope_per_reward"] = measure("marble_full", args, device, model, args.steps,
-                                                               scope="step", gradients="per_reward")
+        plan += [("marble_full_step_scope", "marble_full", args.steps, {"scope": "step"}),
+                 ("marble_full_step_scope_per_reward", "marble_full", args.steps,
+                  {"scope": "step", "gradients": "per_reward"})]
+    results = {}
+    for name, strategy, steps, options in plan:
+        results[name] = measure(strategy, args, device, model, steps, **options)
+        # progress, and what a run stopped by a time limit still leaves behind
+        print(f"[gpu_check] {name}: {results[name]['seconds_per_step']:.3f} s/step, peak "
+              f"{results[name]['peak_memory_gib'] or 0:.1f} GiB ({time.perf_counter() - started:.0f} s)",
+              file=sys.stderr, flush=True)
+        if args.out:
+            args.out.write_text(json.dumps({"partial": True, "strategies": results}, indent=2) + "\n")
     ws = results["weighted_sum"]
-    ratios = {f"{name}_speed": ws["seconds_per_step"] / r["seconds_per_step"] for name, r in results.items()
-              if name != "weighted_sum"}
+    ratios = {f"{name}_speed": ratio(r, ws)[0] for name, r in results.items() if name != "weighted_sum"}
+    ratios.update({f"{name}_speed_se": ratio(r, ws)[1] for name, r in results.items() if name != "weighted_sum"})
     if ws["peak_memory_gib"]:
         ratios.update({f"{name}_memory": r["peak_memory_gib"] / ws["peak_memory_gib"] for name, r in results.items()
                        if name != "weighted_sum"})

@@ -4,6 +4,7 @@ gradient checkpointing, the paper preset, DiffusionNFT's prompt folders and the 
 
 import json
 import math
+import statistics
 import shutil
 from pathlib import Path
 
@@ -230,7 +231,7 @@ def test_nft_sources_are_registered_and_say_where_the_files_go():
 
 def test_gpu_check_runs_the_trainer_on_cpu_with_tiny(tmp_path):
     gpu_check = load_script("gpu_check")
-    report = gpu_check.main(["--tiny", "--steps", "1", "--out", str(tmp_path / "gpu.json")])
+    report = gpu_check.main(["--tiny", "--steps", "2", "--out", str(tmp_path / "gpu.json")])
     assert json.loads((tmp_path / "gpu.json").read_text())["paper"] == {"marble_speed": 0.97, "marble_memory": 1.14,
                                                                        "marble_full_speed": 0.56}
     strategies = report["strategies"]
@@ -239,9 +240,22 @@ def test_gpu_check_runs_the_trainer_on_cpu_with_tiny(tmp_path):
     assert strategies["marble_full_step_scope"]["gradients"] == "per_sample"
     assert strategies["marble_full_step_scope_per_reward"]["gradients"] == "per_reward"
     assert report["projected_to_paper_step"]["marble_full_step_scope_per_reward_speed"] > 0
-    # MARBLE's timed window is one refresh period: 9 amortized steps and the full step at N = 10
-    assert strategies["marble"]["full_steps"] == [False] * 9 + [True]
+    # MARBLE's timed window is two refresh periods: 9 amortized steps and the full step at N = 10, twice
+    assert strategies["marble"]["full_steps"] == ([False] * 9 + [True]) * 2
+    for result in strategies.values():  # a mean over the timed steps, with its standard error
+        times = result["step_seconds"]
+        assert result["seconds_per_step"] == pytest.approx(sum(times) / len(times))
+        assert result["seconds_per_step_se"] == pytest.approx(statistics.stdev(times) / math.sqrt(len(times)))
     assert all(strategies["marble_full"]["full_steps"]) and not any(strategies["weighted_sum"]["full_steps"])
     assert report["setup"]["K"] == 5 and report["setup"]["lora"] == {"rank": 32, "alpha": 64}
     for value in list(report["ratios_vs_weighted_sum"].values()) + [report["projected_to_paper_step"]["marble_speed"]]:
         assert math.isfinite(value) and value > 0
+
+
+def test_gpu_check_ratio_standard_error_is_the_delta_method():
+    gpu_check = load_script("gpu_check")
+    slow = {"seconds_per_step": 4.0, "seconds_per_step_se": 0.4}
+    fast = {"seconds_per_step": 2.0, "seconds_per_step_se": 0.0}
+    assert gpu_check.ratio(slow, fast) == pytest.approx((0.5, 0.05))  # relative errors add in quadrature
+    assert gpu_check.ratio(slow, dict(slow))[1] == pytest.approx(math.sqrt(2) * 0.1)
+    assert gpu_check.ratio({"seconds_per_step": 1.0, "seconds_per_step_se": None}, fast) == (2.0, None)
