@@ -305,11 +305,13 @@ def study(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSetting
     base = evaluate_base(configs[0], settings, eval_reward_names(union, items_text))
     results = [evaluate_run(r, settings, base) if _has_checkpoint(r) else archived_evaluation(r, settings, base)
                for r in runs]
+    for r, res in zip(runs, results):
+        res["mean_alpha"] = mean_alpha(read_events(r))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
     write_figures(runs, results, out)
-    doc = {"settings": base.key, "runs": results,
+    doc = {"settings": base.key, "runs": results, "strategies": strategy_stats(results),
            "base": {n: _stats(v)[:2] for n, v in base.scores.items()}}
     (out / "study.json").write_text(json.dumps(doc, indent=2) + "\n")
     summary = strategy_summary(results)
@@ -475,36 +477,123 @@ def mean_se(values) -> tuple[float, float]:
 def mean_pm_se(values, digits: int = 2, empty: str = "n/a") -> str:
     """"+m ± se" over the finite values (standard error of the mean), "+m" for one value, ``empty`` for none."""
     m, se = mean_se(values)
+    return _pm({"mean": m, "se": se}, digits, empty)
+
+
+def mean_alpha(events: list[dict]) -> dict[str, float]:
+    """Each reward's α averaged over the run's training steps (the coefficients applied, EMA-smoothed for
+    MARBLE; a sequential run's stage shares)."""
+    values: dict[str, list[float]] = {}
+    for ev in events:
+        if ev.get("event") == "step":
+            for n, a in (ev.get("alpha") or {}).items():
+                values.setdefault(n, []).append(a)
+    return {n: float(np.mean(v)) for n, v in ((n, _finite(v)) for n, v in values.items()) if v}
+
+
+def _group(results: list[dict]) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = {}
+    for r in results:
+        groups.setdefault(r["strategy"], []).append(r)
+    return groups
+
+
+def strategy_stats(results: list[dict]) -> dict[str, dict]:
+    """Per strategy (runs differing only in their seed): mean, standard error and count over its runs of each
+    training reward's Δ/std, of the composite and — where the results carry ``mean_alpha`` — of each reward's
+    mean α; ``worst`` names the training reward whose mean is lowest, ``all_up`` counts the runs that improved
+    every training reward."""
+    train = list(dict.fromkeys(n for r in results for n in r["train_rewards"]))
+    out = {}
+    for strategy, runs in _group(results).items():
+        zs = {n: _finite(r["rewards"][n]["z"] for r in runs if n in r["train_rewards"]) for n in train}
+        rewards = {n: dict(zip(("mean", "se"), mean_se(v)), n=len(v)) for n, v in zs.items() if v}
+        alpha_names = list(dict.fromkeys(n for r in runs for n in r.get("mean_alpha") or {}))
+        out[strategy] = {
+            "runs": len(runs), "rewards": rewards,
+            "composite_train": dict(zip(("mean", "se"), mean_se([r["composite_train"] for r in runs]))),
+            "worst": min(rewards, key=lambda n: rewards[n]["mean"]) if rewards else None,
+            "all_up": sum(all(r["rewards"][n]["z"] > 0 for n in r["train_rewards"]) for r in runs),
+            "mean_alpha": {n: dict(zip(("mean", "se"), mean_se([(r.get("mean_alpha") or {}).get(n) for r in runs])))
+                           for n in alpha_names}}
+    return out
+
+
+def _pm(cell: dict, digits: int = 2, empty: str = "n/a") -> str:
+    """A {"mean", "se"} cell as "+m ± se", "+m" without a standard error, ``empty`` without a mean."""
+    m, se = cell["mean"], cell["se"]
     if not math.isfinite(m):
         return empty
     return f"{m:+.{digits}f}" + (f" ± {se:.{digits}f}" if math.isfinite(se) else "")
 
 
+def _worst_cell(st: dict) -> str:
+    return f"{st['worst']} {_pm(st['rewards'][st['worst']])}" if st["worst"] else "n/a"
+
+
 def strategy_summary(results: list[dict]) -> str:
     """Runs grouped by strategy (several seeds of one preset): mean ± standard error over the runs of each
     training reward's Δ/std and of the composite, the training reward whose mean is lowest (the worst reward,
-    the issue-16 criterion), and how many runs improved every training reward. Empty when no strategy has two
-    runs."""
-    groups: dict[str, list[dict]] = {}
-    for r in results:
-        groups.setdefault(r["strategy"], []).append(r)
-    if all(len(g) < 2 for g in groups.values()):
+    the issue-16 criterion), and how many runs improved every training reward; then the findings by the
+    one-standard-error rule (:func:`strategy_findings`) and, where the runs' logs give it, each strategy's mean
+    α. Empty when no strategy has two runs."""
+    if all(len(g) < 2 for g in _group(results).values()):
         return ""
+    stats = strategy_stats(results)
     train = list(dict.fromkeys(n for r in results for n in r["train_rewards"]))
     lines = ["| strategy | runs | " + " | ".join(f"{n} Δ/std" for n in train) +
              " | composite (train) | worst training reward | runs with every training reward up |",
              "|---|---:|" + "---:|" * (len(train) + 3)]
-    for strategy, runs in groups.items():
-        zs = {n: [r["rewards"][n]["z"] for r in runs if n in r["train_rewards"]] for n in train}
-        cells = [mean_pm_se(zs[n]) for n in train]
-        means = {n: mean_se(v)[0] for n, v in zs.items() if _finite(v)}
-        worst = min(means, key=means.get) if means else None
-        all_up = sum(all(r["rewards"][n]["z"] > 0 for n in r["train_rewards"]) for r in runs)
-        lines.append(f"| {strategy} | {len(runs)} | " + " | ".join(cells) +
-                     f" | {mean_pm_se([r['composite_train'] for r in runs])} | "
-                     f"{f'{worst} {mean_pm_se(zs[worst])}' if worst else 'n/a'} | {all_up} of {len(runs)} |")
+    for strategy, st in stats.items():
+        cells = [_pm(st["rewards"][n]) if n in st["rewards"] else "n/a" for n in train]
+        lines.append(f"| {strategy} | {st['runs']} | " + " | ".join(cells) +
+                     f" | {_pm(st['composite_train'])} | {_worst_cell(st)}"
+                     f" | {st['all_up']} of {st['runs']} |")
     lines += ["", "Mean ± standard error (sample std / √runs) over the runs of each strategy (runs differing only in "
                   "their seed). Worst training reward: the one whose mean over the runs is lowest."]
+    findings = strategy_findings(stats)
+    return "\n".join(lines) + ("\n\n" + findings if findings else "")
+
+
+def strategy_findings(stats: dict[str, dict]) -> str:
+    """What the seeds support, by one rule: a difference counts when it exceeds one standard error (of the mean
+    over runs; of a difference between two strategies, √(se_a² + se_b²)). Per strategy, the training rewards it
+    raised, lowered, or left within one standard error of zero; whose worst training reward it beats; and,
+    where the logs give it, its mean α against 1/K."""
+    multi = {s: st for s, st in stats.items() if st["runs"] > 1}
+    if not multi:
+        return ""
+    lines = ["Findings, by one rule: a mean counts as up or down when it is more than one standard error from 0, and "
+             "one strategy's worst training reward beats another's when the difference of their means exceeds "
+             "√(se₁² + se₂²).", "",
+             "| strategy | up by > 1 SE | down by > 1 SE | within 1 SE of 0 | worst training reward | beats the worst of |"
+             " does not beat |", "|---|---|---|---|---|---|---|"]
+    for strategy, st in multi.items():
+        groups: dict[str, list[str]] = {"up": [], "down": [], "flat": []}
+        for n, c in st["rewards"].items():
+            key = "flat" if not math.isfinite(c["se"]) or abs(c["mean"]) <= c["se"] else \
+                ("up" if c["mean"] > 0 else "down")
+            groups[key].append(n)
+        worst = st["worst"]
+        beats, not_beats = [], []
+        for other, ot in multi.items():
+            if other == strategy or worst is None or ot["worst"] is None:
+                continue
+            a, b = st["rewards"][worst], ot["rewards"][ot["worst"]]
+            diff, se = a["mean"] - b["mean"], math.hypot(a["se"], b["se"])
+            (beats if math.isfinite(se) and diff > se else not_beats).append(f"{other} ({diff:+.2f} ± {se:.2f})")
+        lines.append(f"| {strategy} | " + " | ".join(", ".join(groups[k]) or "—" for k in ("up", "down", "flat")) +
+                     f" | {_worst_cell(st)} | "
+                     f"{', '.join(beats) or '—'} | {', '.join(not_beats) or '—'} |")
+    alphas = {s: st["mean_alpha"] for s, st in multi.items() if st["mean_alpha"]}
+    if alphas:
+        names = list(dict.fromkeys(n for a in alphas.values() for n in a))
+        lines += ["", f"Mean α over each run's steps, mean ± standard error over the runs (1/K = {1 / len(names):.2f}):",
+                  "", "| strategy | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        for s, a in alphas.items():
+            lines.append(f"| {s} | " + " | ".join(
+                (f"{a[n]['mean']:.2f}" + (f" ± {a[n]['se']:.2f}" if math.isfinite(a[n]["se"]) else ""))
+                if n in a else "n/a" for n in names) + " |")
     return "\n".join(lines)
 
 

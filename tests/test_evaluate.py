@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from core.evaluate import (EvalSettings, compare, eval_reward_names, evaluate_run, main, strategy_summary, study,
+from core.evaluate import (EvalSettings, compare, eval_reward_names, evaluate_run, main, mean_alpha, strategy_findings,
+                           strategy_stats, strategy_summary, study,
                            study_figures, write_figures)
 from core.train import main as train_main
 from tests.helpers import load_script, small_config
@@ -44,6 +45,42 @@ def test_strategy_summary_spreads_each_strategy_over_its_seeds():
     # (+2.25 ± 0.25); the worst reward is b; one run has both up
     assert marble == "| marble | 2 | +2.00 ± 1.00 | +0.25 ± 0.75 | +2.25 ± 0.25 | b +0.25 ± 0.75 | 1 of 2 |"
     assert "| weighted_sum | 1 | +2.00 | -1.00 | +1.00 | b -1.00 | 0 of 1 |" in lines
+
+
+def test_strategy_findings_apply_the_one_standard_error_rule():
+    def result(strategy, za, zb, alpha=None):
+        return {"strategy": strategy, "train_rewards": ["a", "b"], "composite_train": za + zb,
+                "rewards": {"a": {"z": za}, "b": {"z": zb}}, "mean_alpha": alpha or {}}
+
+    # "bal": a = 2 ± 1 (up), b = 1 ± 0.1 (up; the worst); "sum": a = 3 ± 0.1 (up), b = -0.05 ± 0.45 (within 1 SE:
+    # the worst); "lean": a = -2 ± 0.5 (down; the worst), b = 1 ± 0 (up)
+    results = [result("bal", 1.0, 0.9, {"a": 0.7, "b": 0.3}), result("bal", 3.0, 1.1, {"a": 0.5, "b": 0.5}),
+               result("sum", 2.9, 0.4), result("sum", 3.1, -0.5),
+               result("lean", -1.5, 1.0), result("lean", -2.5, 1.0)]
+    stats = strategy_stats(results)
+    assert stats["bal"]["rewards"]["a"] == pytest.approx({"mean": 2.0, "se": 1.0, "n": 2})
+    assert [stats[s]["worst"] for s in ("bal", "sum", "lean")] == ["b", "b", "a"]
+    assert stats["bal"]["mean_alpha"]["a"] == pytest.approx({"mean": 0.6, "se": 0.1})
+    assert stats["sum"]["mean_alpha"] == {}  # logs without α: no α row
+    findings, alpha_table = strategy_findings(stats).split("Mean α over each run's steps")
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in findings.splitlines()
+            if line.startswith("| ") and not line.startswith("| strategy")}
+    assert rows["bal"][1:4] == ["a, b", "—", "—"]
+    assert rows["sum"][1:4] == ["a", "—", "b"] and rows["lean"][1:4] == ["b", "a", "—"]
+    # bal's worst (1 ± 0.1) against sum's (-0.05 ± 0.45): +1.05 > √(0.1² + 0.45²) = 0.46; against lean's
+    # (-2 ± 0.5) +3.00 ± 0.51; sum's worst beats lean's (+1.95 ± 0.67) but not bal's
+    assert rows["bal"][5] == "sum (+1.05 ± 0.46), lean (+3.00 ± 0.51)" and rows["bal"][6] == "— |"
+    assert rows["sum"][5] == "lean (+1.95 ± 0.67)" and rows["sum"][6].startswith("bal (-1.05 ± 0.46)")
+    assert "| bal | 0.60 ± 0.10 | 0.40 ± 0.10 |" in alpha_table and "| sum |" not in alpha_table
+    assert strategy_findings(strategy_stats(results[:1] + results[2:3])) == ""  # one run each: no spread, no finding
+
+
+def test_mean_alpha_averages_the_applied_coefficients_over_steps():
+    events = [{"event": "start"}, {"event": "step", "step": 1, "alpha": {"a": 0.2, "b": 0.8}},
+              {"event": "balance", "step": 1, "alpha_raw": {"a": 1.0, "b": 0.0}},
+              {"event": "step", "step": 2, "alpha": {"a": 0.4, "b": None}}]
+    assert mean_alpha(events) == pytest.approx({"a": 0.3, "b": 0.8})
+    assert mean_alpha([]) == {}
 
 
 def test_evaluation_uses_training_rewards_first_then_offline_held_out_ones():
@@ -123,6 +160,10 @@ def test_a_study_reuses_an_archived_runs_evaluation_only_when_it_is_comparable(r
     assert same(doc["runs"][0]["rewards"], live["runs"][0]["rewards"])
     assert doc["runs"][0]["training"] == live["runs"][0]["training"]
     assert (tmp_path / "from-archive" / "alpha.png").is_file()  # figures come from its events.jsonl
+    assert doc["runs"][0]["mean_alpha"] == live["runs"][0]["mean_alpha"]  # α from the archived log too
+    assert sum(doc["runs"][0]["mean_alpha"].values()) == pytest.approx(1.0)
+    assert set(doc["strategies"]) == {"marble", "weighted_sum"}
+    assert doc["strategies"]["weighted_sum"]["mean_alpha"]["colorfulness"]["mean"] == pytest.approx(1 / 3)
 
     # evaluated with other settings (3 seeds a prompt): refused by name, not mixed into the table
     evaluate_run(runs[0], EvalSettings("test", 2, 3))
