@@ -498,6 +498,18 @@ def _group(results: list[dict]) -> dict[str, list[dict]]:
     return groups
 
 
+def reward_spread(values: dict[str, list]) -> tuple[dict[str, dict], str | None]:
+    """Per reward, mean, standard error and count of its finite values (rewards without one are left out), and
+    the reward whose mean is lowest (None when none has a value)."""
+    cells = {}
+    for n, v in values.items():
+        v = _finite(v)
+        if v:
+            m, se = mean_se(v)
+            cells[n] = {"mean": m, "se": se, "n": len(v)}
+    return cells, (min(cells, key=lambda n: cells[n]["mean"]) if cells else None)
+
+
 def strategy_stats(results: list[dict]) -> dict[str, dict]:
     """Per strategy (runs differing only in their seed): mean, standard error and count over its runs of each
     training reward's Δ/std, of the composite and — where the results carry ``mean_alpha`` — of each reward's
@@ -506,13 +518,13 @@ def strategy_stats(results: list[dict]) -> dict[str, dict]:
     train = list(dict.fromkeys(n for r in results for n in r["train_rewards"]))
     out = {}
     for strategy, runs in _group(results).items():
-        zs = {n: _finite(r["rewards"][n]["z"] for r in runs if n in r["train_rewards"]) for n in train}
-        rewards = {n: dict(zip(("mean", "se"), mean_se(v)), n=len(v)) for n, v in zs.items() if v}
+        rewards, worst = reward_spread({n: [r["rewards"][n]["z"] for r in runs if n in r["train_rewards"]]
+                                        for n in train})
         alpha_names = list(dict.fromkeys(n for r in runs for n in r.get("mean_alpha") or {}))
         out[strategy] = {
             "runs": len(runs), "rewards": rewards,
             "composite_train": dict(zip(("mean", "se"), mean_se([r["composite_train"] for r in runs]))),
-            "worst": min(rewards, key=lambda n: rewards[n]["mean"]) if rewards else None,
+            "worst": worst,
             "all_up": sum(all(r["rewards"][n]["z"] > 0 for n in r["train_rewards"]) for r in runs),
             "mean_alpha": {n: dict(zip(("mean", "se"), mean_se([(r.get("mean_alpha") or {}).get(n) for r in runs])))
                            for n in alpha_names}}

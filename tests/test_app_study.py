@@ -72,12 +72,33 @@ def test_by_strategy_gives_mean_and_standard_error_over_each_strategys_runs():
     assert by_strategy(pd.DataFrame()).empty
 
 
+def test_findings_say_which_differences_the_finished_seeds_support():
+    from app.pages.study import findings
+
+    df = pd.DataFrame([
+        {"run": "#1", "strategy": "marble", "state": "finished", "Δa (σ)": 1.0, "Δb (σ)": 0.9},
+        {"run": "#2", "strategy": "marble", "state": "finished", "Δa (σ)": 3.0, "Δb (σ)": 1.1},
+        {"run": "#3", "strategy": "weighted_sum", "state": "finished", "Δa (σ)": 2.0, "Δb (σ)": -1.0},
+        {"run": "#4", "strategy": "weighted_sum", "state": "finished", "Δa (σ)": 2.2, "Δb (σ)": -1.2},
+        {"run": "#5", "strategy": "weighted_sum", "state": "unfinished: running at 3/10", "Δa (σ)": 9.0,
+         "Δb (σ)": 9.0},
+    ])
+    text = findings(df)
+    assert text.startswith("**What the seeds support** (training prompts")
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
+    # marble: a +2 ± 1, b +1 ± 0.1, both up, worst b; weighted sum (the unfinished run left out): a up, b down
+    assert rows["marble"][1:5] == ["a, b", "—", "—", "b +1.00 ± 0.10"]
+    assert rows["weighted_sum"][1:5] == ["a", "b", "—", "b -1.10 ± 0.10"]
+    assert rows["marble"][5] == "weighted_sum (+2.10 ± 0.14)"
+    assert findings(df.iloc[[0, 2]]) == ""  # one run per strategy: nothing a seed spread could support
+
+
 def test_study_page_says_what_to_do_before_any_run_is_picked():
     """With nothing picked the tables and plots carry the hint, not Gradio's bare "1 2 3" headers."""
     from app.pages.study import EMPTY_HINT, render
 
-    table, summary, pareto, overlay, *_ = render([], None, None)
-    assert table.iloc[0, 0] == EMPTY_HINT and list(summary.columns) == ["strategies"]
+    table, summary, supported, pareto, overlay, *_ = render([], None, None)
+    assert table.iloc[0, 0] == EMPTY_HINT and list(summary.columns) == ["strategies"] and supported == ""
     assert EMPTY_HINT in pareto.layout.annotations[0].text and EMPTY_HINT in overlay.layout.annotations[0].text
 
 

@@ -11,7 +11,7 @@ import gradio as gr
 import pandas as pd
 
 from app import context, plots
-from core.evaluate import mean_pm_se
+from core.evaluate import mean_pm_se, reward_spread, strategy_findings
 from jobs.storage import RunNotFound
 
 WINDOW = 0.1  # share of a run's steps averaged for its start and end values
@@ -136,6 +136,23 @@ def by_strategy(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def findings(df: pd.DataFrame) -> str:
+    """What the finished runs' seeds support on the training prompts, by the one-standard-error rule of
+    ``core.evaluate.strategy_findings``: per strategy, the rewards up, down or within one standard error of 0, and
+    whose worst reward it beats. Empty until some strategy has two finished runs."""
+    if df.empty or "strategy" not in df:
+        return ""
+    if "state" in df:
+        df = df[df["state"] == "finished"]
+    cols = [c for c in df.columns if c.startswith("Δ") and c.endswith(" (σ)")]
+    stats = {}
+    for strategy, group in df.groupby("strategy", sort=False):
+        rewards, worst = reward_spread({c[1:-4]: pd.to_numeric(group[c], errors="coerce").tolist() for c in cols})
+        stats[strategy] = {"runs": len(group), "rewards": rewards, "worst": worst, "mean_alpha": {}}
+    text = strategy_findings(stats)
+    return f"**What the seeds support** (training prompts, Δ in σ units; finished runs only). {text}" if text else ""
+
+
 EMPTY_HINT = "Pick two or more runs above (e.g. a study's strategies and seeds; New run → Start study queues them)."
 
 
@@ -159,8 +176,8 @@ def study_csv_path(run_ids: list[int]) -> str:
 def render(run_ids: list[int], x_reward: str | None, y_reward: str | None):
     if not run_ids:
         empty = plots.empty_figure("Study", EMPTY_HINT)
-        return (*_placeholder_tables(), empty, empty, gr.update(choices=[]), gr.update(choices=[]), None,
-                "")
+        no_table, no_summary = _placeholder_tables()
+        return (no_table, no_summary, "", empty, empty, gr.update(choices=[]), gr.update(choices=[]), None, "")
     df, points = study_table([int(r) for r in run_ids])
     names = sorted({k for p in points for k in p["scores"]})
     x = x_reward if x_reward in names else (names[0] if names else None)
@@ -169,10 +186,10 @@ def render(run_ids: list[int], x_reward: str | None, y_reward: str | None):
     overlay = plots.alpha_overlay(points, names)
     path = study_csv_path([int(r) for r in run_ids])
     df.to_csv(path, index=False)
-    summary = by_strategy(df)
+    summary, supported = by_strategy(df), findings(df)
     if summary.empty:
         summary = pd.DataFrame({"strategies": ["(no finished run picked: the summary pools finished runs only)"]})
-    return (df.round(4), summary, pareto, overlay, gr.update(choices=names, value=x),
+    return (df.round(4), summary, supported, pareto, overlay, gr.update(choices=names, value=x),
             gr.update(choices=names, value=y), path, study_note(df))
 
 
@@ -195,6 +212,7 @@ def build() -> dict:
                            label="By strategy: the chosen runs of each strategy pooled (e.g. a study's seeds), "
                                  "mean ± standard error (std / √runs) of each improvement",
                            interactive=False, elem_id="study-summary")
+    supported = gr.Markdown(elem_id="study-findings")
     with gr.Row():
         x_pick = gr.Dropdown(choices=[], label="Pareto x", elem_id="study-x")
         y_pick = gr.Dropdown(choices=[], label="Pareto y", elem_id="study-y")
@@ -202,7 +220,7 @@ def build() -> dict:
     pareto = gr.Plot(plots.empty_figure("Pareto", EMPTY_HINT), label="Pareto", elem_id="plot-pareto")
     overlay = gr.Plot(plots.empty_figure("ᾱ overlay", EMPTY_HINT), label="ᾱ overlay", elem_id="plot-overlay")
     reload_btn.click(lambda: gr.update(choices=context.run_choices()), None, runs)
-    outs = [table, summary, pareto, overlay, x_pick, y_pick, csv, note]
+    outs = [table, summary, supported, pareto, overlay, x_pick, y_pick, csv, note]
     runs.change(render, [runs, x_pick, y_pick], outs)
     x_pick.input(render, [runs, x_pick, y_pick], outs)
     y_pick.input(render, [runs, x_pick, y_pick], outs)
