@@ -280,13 +280,18 @@ def worst_cosines(events: list[dict]) -> list[tuple[int, float]]:
 
 
 def training_summary(run_dir: Path) -> dict:
+    """From a run's log: steps and training time, the worst-cosine diagnostics, and ``kl_end``, the mean of the
+    logged KL to the reference model (mean squared velocity difference) over the last 10% of steps: how far
+    the policy has drifted by the end, which a late collapse shows as a jump."""
     events = read_events(run_dir)
     steps = [e for e in events if e.get("event") == "step"]
     worst = [c for _, c in worst_cosines(events)]
+    tail = _finite(e.get("kl") for e in steps[-max(1, len(steps) // 10):])
     return {"steps": len(steps), "train_seconds": float(sum(e.get("seconds", 0.0) for e in steps)),
             "diagnosed_steps": len(worst),
             "worst_cos_mean": float(np.mean(worst)) if worst else float("nan"),
-            "worst_cos_negative_share": float(np.mean([c < 0 for c in worst])) if worst else float("nan")}
+            "worst_cos_negative_share": float(np.mean([c < 0 for c in worst])) if worst else float("nan"),
+            "kl_end": float(np.mean(tail)) if tail else float("nan")}
 
 
 # ---- study -----------------------------------------------------------------------------------------
@@ -305,8 +310,9 @@ def study(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSetting
     base = evaluate_base(configs[0], settings, eval_reward_names(union, items_text))
     results = [evaluate_run(r, settings, base) if _has_checkpoint(r) else archived_evaluation(r, settings, base)
                for r in runs]
-    for r, res in zip(runs, results):
+    for r, res in zip(runs, results):  # from the log, also for an archived run evaluated before a field existed
         res["mean_alpha"] = mean_alpha(read_events(r))
+        res["training"] = training_summary(r)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -438,10 +444,10 @@ def study_table(results: list[dict], base: BaseEvaluation) -> str:
     train = list(dict.fromkeys(n for r in results for n in r["train_rewards"]))
     header = "| method | " + " | ".join(f"{n}{' *' if n in train else ''}" for n in names) + \
              " | composite (train) | composite (all) | train rewards up | worst train Δ/std | worst cos < 0 " \
-             "| mean worst cos | train min |"
-    lines = [header, "|---|" + "---:|" * (len(names) + 7)]
+             "| mean worst cos | KL at end | train min |"
+    lines = [header, "|---|" + "---:|" * (len(names) + 8)]
     lines.append("| base model | " + " | ".join(f"{_stats(base.scores[n])[0]:.3f}" for n in names) +
-                 " | 0 | 0 | | | | | |")
+                 " | 0 | 0 | | | | | | |")
     for r in results:
         t = r["training"]
         cells = [f"{r['rewards'][n]['mean']:.3f} ({signed(r['rewards'][n]['z'])})" for n in names]
@@ -450,7 +456,7 @@ def study_table(results: list[dict], base: BaseEvaluation) -> str:
                      f" | **{r['composite_train']:+.3f}** | {r['composite_all']:+.3f} | "
                      f"{sum(z > 0 for z in z_train)} of {len(z_train)} | {signed(min(z_train, default=math.nan))} | "
                      f"{t['worst_cos_negative_share'] * 100:.0f}% of {t['diagnosed_steps']} | "
-                     f"{t['worst_cos_mean']:+.3f} | {t['train_seconds'] / 60:.1f} |")
+                     f"{t['worst_cos_mean']:+.3f} | {t.get('kl_end', math.nan):.2f} | {t['train_seconds'] / 60:.1f} |")
     s = base.key
     lines += ["", f"Held-out ({s['split']}) prompts: first {s['prompts_per_source']} of each of "
               f"{', '.join(s['sources'])}; {s['seeds_per_prompt']} seeds each; {s['num_steps']} sampling steps, "
@@ -458,7 +464,8 @@ def study_table(results: list[dict], base: BaseEvaluation) -> str:
               "`*` = trained on. Composite = Σ of those Δ/std (paper's Table 1), over the training rewards and "
               "over all rewards; a composite can be carried by one reward, so the table also counts the training "
               "rewards that improved and gives the worst one. Worst cos: the share of diagnosed steps where some reward's gradient points "
-              "against the applied update, and the mean of that worst cosine."]
+              "against the applied update, and the mean of that worst cosine. KL at end: the logged KL to the reference "
+              "model over the last 10% of steps (how far the policy has drifted; a late collapse shows as a jump)."]
     return "\n".join(lines)
 
 

@@ -11,7 +11,7 @@ from PIL import Image
 
 from core.evaluate import (EvalSettings, compare, eval_reward_names, evaluate_run, main, mean_alpha, strategy_findings,
                            strategy_stats, strategy_summary, study,
-                           study_figures, write_figures)
+                           study_figures, training_summary, write_figures)
 from core.train import main as train_main
 from tests.helpers import load_script, small_config
 
@@ -138,6 +138,19 @@ def test_study_writes_the_table_and_figures_from_the_runs_own_logs(runs, tmp_pat
         img = np.asarray(Image.open(tmp_path / "study" / name).convert("RGB"))
         assert img.shape[1] > 400 and len(np.unique(img.reshape(-1, 3), axis=0)) > 5  # not blank
     assert doc["runs"][0]["training"]["diagnosed_steps"] == 2
+    assert "KL at end" in md and math.isfinite(doc["runs"][0]["training"]["kl_end"])
+
+
+def test_training_summary_gives_the_drift_over_the_last_tenth_of_steps(tmp_path):
+    """kl_end: the mean logged KL over the last 10% of steps, so a run that collapses late (KL jumping from 0.2 to
+    2.6 in its last steps, as one object-study run did) stands out in the study table."""
+    steps = [{"event": "step", "step": i, "kl": 0.2 if i <= 18 else 2.0 + i / 10, "seconds": 1.0} for i in range(1, 21)]
+    steps[5]["kl"] = None  # a step logged without it is skipped
+    (tmp_path / "events.jsonl").write_text("\n".join(json.dumps(e) for e in steps) + "\n")
+    summary = training_summary(tmp_path)
+    assert summary["kl_end"] == pytest.approx((3.9 + 4.0) / 2) and summary["steps"] == 20
+    (tmp_path / "events.jsonl").write_text("")
+    assert math.isnan(training_summary(tmp_path)["kl_end"])
 
 
 def _archive(run, dest):
