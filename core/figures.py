@@ -185,12 +185,25 @@ def strip_figure(panels: list[tuple[str, dict[str, list[float]]]], ylabel: str =
                 ax.vlines(j, mean - sem, mean + sem, color="black", linewidth=1, zorder=2, gid=f"sem:{name}")
         names = list(cats)
         ax.set_xlim(-0.6, len(names) - 0.4)
-        long = sum(len(n) for n in names) * 0.09 > panel_size[0]  # labels would overlap side by side
-        ax.set_xticks(range(len(names)), [literal(n) for n in names], rotation=25 if long else 0,
-                      ha="right" if long else "center", fontsize=9)
+        ax.set_xticks(range(len(names)), [literal(n) for n in names], fontsize=9)
         if i % cols == 0 and ylabel:
             ax.set_ylabel(ylabel)
+    _slant_clashing_labels(fig, axes)
     return fig
+
+
+def _slant_clashing_labels(fig: Figure, axes) -> None:
+    """Slant the category labels of any panel where, laid out, two neighbours would touch (long strategy names in
+    narrow columns); measured on the laid-out figure rather than guessed from character counts."""
+    fig.draw_without_rendering()
+    renderer = fig.canvas.get_renderer()
+    for ax in axes:
+        labels = [t for t in ax.get_xticklabels() if t.get_text()]
+        boxes = [t.get_window_extent(renderer) for t in labels]
+        if any(a.x1 + 2 > b.x0 for a, b in zip(boxes, boxes[1:])):
+            for t in labels:
+                t.set_rotation(25)
+                t.set_horizontalalignment("right")
 
 
 def strip_panels(panels: list[tuple[str, dict[str, list[float]]]], path: str | Path, **options) -> Path:

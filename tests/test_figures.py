@@ -87,6 +87,7 @@ def test_strip_figure_puts_one_dot_per_value_in_its_column_and_a_bar_at_the_mean
     p, q = visible_axes(fig)
     assert [t.get_text() for t in p.get_xticklabels()] == ["a", "b", "c"]
     assert [t.get_text() for t in q.get_xticklabels()] == ["c", "a"]
+    assert all(t.get_rotation() == 0 for t in p.get_xticklabels())  # short labels stay level
 
     a = by_gid(p, "dots:a").get_offsets()
     b = by_gid(p, "dots:b").get_offsets()
@@ -150,3 +151,17 @@ def test_bad_arguments_are_refused_by_name(kwargs, message):
     if "y_range" not in kwargs:
         with pytest.raises(ValueError, match=message):
             strip_figure(**{**kwargs, "panels": [("p", {"a": [1.0]})] if kwargs["panels"] else []})
+
+
+def test_strip_figure_slants_category_labels_only_where_they_would_touch():
+    """The object study's five strategy names in a two-column grid: "sequential" and "weighted_sum" ran into each
+    other; slanted, no two laid-out labels overlap."""
+    names = ["equal", "marble_full", "marble", "sequential", "weighted_sum"]
+    fig = strip_figure([("wide names", {n: [0.1, 0.2] for n in names}), ("short", {"a": [1.0], "b": [2.0]})])
+    crowded, roomy = visible_axes(fig)
+    assert all(t.get_rotation() == 25 and t.get_horizontalalignment() == "right" for t in crowded.get_xticklabels())
+    assert all(t.get_rotation() == 0 for t in roomy.get_xticklabels())
+    fig.draw_without_rendering()
+    renderer = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in crowded.get_xticklabels()]
+    assert all(a.x0 < b.x0 for a, b in zip(boxes, boxes[1:]))  # still in order, left to right
