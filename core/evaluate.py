@@ -2,6 +2,7 @@
 
     python -m core.evaluate --run DIR [--prompts test] [--prompts-per-source 16] [--seeds 4]
     python -m core.evaluate --study RUN1 RUN2 ... --out docs/study/
+    python -m core.evaluate --curve RUN1 RUN2 ... --out docs/study/curve/
 
 ``--run``: generates images for the first N prompts of each of the run's prompt sources (the chosen
 split) with fixed evaluation seeds, once with the base model and once with the run's last checkpoint
@@ -15,6 +16,10 @@ improvement over the base model in units of the base model's std (spec §8) — 
 from each run's events.jsonl, drawn with matplotlib (core/figures.py): α over steps, the worst reward's
 gradient cosine with the applied update (spec §4's headline diagnostic) and, when a strategy has several
 runs (seeds), every run's improvement.
+
+``--curve``: the same held-out comparison at every checkpoint a run kept, against one base evaluation:
+curve.md / curve.json (each strategy's mean ± standard error over its runs at each step) and curve.png. It shows
+when a strategy's gains appear and whether the end of the run keeps them; nothing is written into the runs.
 """
 
 from __future__ import annotations
@@ -196,9 +201,9 @@ def evaluate_base(config, settings: EvalSettings, reward_names: list[str] | None
 
 
 def evaluate_run(run_dir: str | Path, settings: EvalSettings, base: BaseEvaluation | None = None,
-                 checkpoint: str | Path | None = None) -> dict:
-    """Evaluate one run (its last checkpoint unless ``checkpoint``) against its base model; writes
-    DIR/eval_<split>.json and .md and returns the result."""
+                 checkpoint: str | Path | None = None, write: bool = True) -> dict:
+    """Evaluate one run (its last checkpoint unless ``checkpoint``) against its base model; returns the result
+    and, with ``write``, also keeps it as DIR/eval_<split>.json and .md."""
     from core.config import TrainConfig
     from core.models import load_lora, load_pipeline
 
@@ -225,8 +230,9 @@ def evaluate_run(run_dir: str | Path, settings: EvalSettings, base: BaseEvaluati
                       "run": by_source(scores, base.items, settings)},
         "training": training_summary(run_dir), "seconds": time.perf_counter() - t0,
     }
-    (run_dir / f"eval_{settings.split}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (run_dir / f"eval_{settings.split}.md").write_text(run_table(result) + "\n")
+    if write:
+        (run_dir / f"eval_{settings.split}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (run_dir / f"eval_{settings.split}.md").write_text(run_table(result) + "\n")
     return result
 
 
@@ -296,18 +302,24 @@ def training_summary(run_dir: Path) -> dict:
 
 # ---- study -----------------------------------------------------------------------------------------
 
-def study(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSettings) -> dict:
-    """Evaluate runs that share a model, prompts and sampler against one base evaluation; write
-    study.md, study.json, alpha.png and worst_cosine.png into ``out_dir``."""
+def shared_base(runs: list[Path], settings: EvalSettings) -> BaseEvaluation:
+    """One base evaluation for several runs: the first run's model, prompts and sampler, scored with every
+    run's training rewards and the held-out ones."""
     from core.config import TrainConfig
 
     settings.validate()
-    runs = [Path(r) for r in run_dirs]
     configs = [TrainConfig.load(r / "config.json") for r in runs]
     union = list(dict.fromkeys(n for c in configs for n in c.reward_names))
     items_text = [it.text for it in eval_items(configs[0].prompts.sources, settings.split,
                                                 settings.prompts_per_source)]
-    base = evaluate_base(configs[0], settings, eval_reward_names(union, items_text))
+    return evaluate_base(configs[0], settings, eval_reward_names(union, items_text))
+
+
+def study(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSettings) -> dict:
+    """Evaluate runs that share a model, prompts and sampler against one base evaluation; write
+    study.md, study.json, alpha.png and worst_cosine.png into ``out_dir``."""
+    runs = [Path(r) for r in run_dirs]
+    base = shared_base(runs, settings)
     results = [evaluate_run(r, settings, base) if _has_checkpoint(r) else archived_evaluation(r, settings, base)
                for r in runs]
     for r, res in zip(runs, results):  # from the log, also for an archived run evaluated before a field existed
@@ -323,6 +335,88 @@ def study(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSetting
     summary = strategy_summary(results)
     (out / "study.md").write_text(study_table(results, base) + ("\n\n" + summary if summary else "") + "\n")
     return doc
+
+
+def checkpoint_step(path: Path) -> int:
+    """step_000150 -> 150."""
+    return int(path.name.rsplit("_", 1)[-1])
+
+
+def curve(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSettings) -> dict:
+    """Held-out Δ/std of every training reward (and the composite) at every checkpoint each run kept, against
+    one base evaluation; writes curve.json (one point per run and checkpoint, and each strategy's mean ± standard
+    error over its runs at each step), curve.md and curve.png. Runs are not written to."""
+    runs = [Path(r) for r in run_dirs]
+    missing = [str(r) for r in runs if not _has_checkpoint(r)]
+    if missing:
+        raise FileNotFoundError(f"no checkpoints to evaluate in {', '.join(missing)}; a curve needs the run folders "
+                                f"with their checkpoints/, not a study archive")
+    base = shared_base(runs, settings)
+    points = []
+    for r in runs:
+        for ckpt in sorted((r / "checkpoints").glob("step_*"), key=checkpoint_step):
+            res = evaluate_run(r, settings, base, checkpoint=ckpt, write=False)
+            points.append({"run": r.name, "strategy": res["strategy"], "step": checkpoint_step(ckpt),
+                           "train_rewards": res["train_rewards"], "composite_train": res["composite_train"],
+                           "z": {n: res["rewards"][n]["z"] for n in res["train_rewards"]}})
+    summary = curve_summary(points)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"settings": base.key, "points": points, "strategies": summary}
+    (out / "curve.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out / "curve.md").write_text(curve_table(summary, base.key) + "\n")
+    from core.figures import save_png
+
+    save_png(curve_figure(summary), out / "curve.png")
+    return doc
+
+
+def curve_summary(points: list[dict]) -> dict[str, dict[int, dict]]:
+    """strategy -> step -> {"runs": n, "rewards": {name: {mean, se, n}}, "composite": {mean, se, n}} over the
+    runs of that strategy evaluated at that step."""
+    train = list(dict.fromkeys(n for p in points for n in p["train_rewards"]))
+    by: dict[str, dict[int, list[dict]]] = {}
+    for p in points:
+        by.setdefault(p["strategy"], {}).setdefault(p["step"], []).append(p)
+    out: dict[str, dict[int, dict]] = {}
+    for strategy, steps in by.items():
+        for step, ps in sorted(steps.items()):
+            rewards, _ = reward_spread({n: [p["z"].get(n) for p in ps] for n in train})
+            composite, _ = reward_spread({"composite": [p["composite_train"] for p in ps]})
+            out.setdefault(strategy, {})[step] = {"runs": len(ps), "rewards": rewards,
+                                                  "composite": composite.get("composite")}
+    return out
+
+
+def curve_table(summary: dict[str, dict[int, dict]], key: dict) -> str:
+    names = list(dict.fromkeys(n for steps in summary.values() for st in steps.values() for n in st["rewards"]))
+    lines = ["| strategy | step | runs | " + " | ".join(f"{n} Δ/std" for n in names) + " | composite (train) |",
+             "|---|---:|---:|" + "---:|" * (len(names) + 1)]
+    for strategy, steps in summary.items():
+        for step, st in steps.items():
+            cells = [_pm(st["rewards"][n]) if n in st["rewards"] else "n/a" for n in names]
+            composite = _pm(st["composite"]) if st["composite"] else "n/a"
+            lines.append(f"| {strategy} | {step} | {st['runs']} | " + " | ".join(cells) + f" | {composite} |")
+    lines += ["", f"Held-out ({key['split']}) prompts: first {key['prompts_per_source']} of each of "
+              f"{', '.join(key['sources'])}; {key['seeds_per_prompt']} seeds each; the {key.get('weights', 'ema')} "
+              "LoRA of each checkpoint. Cells: Δ over the base model in base-std units, mean ± standard error over "
+              "the strategy's runs (seeds) evaluated at that step."]
+    return "\n".join(lines)
+
+
+def curve_figure(summary: dict[str, dict[int, dict]]) -> Figure:
+    """One panel per training reward and one for the composite: each strategy's mean over its runs by step."""
+    from core.figures import line_figure
+
+    names = list(dict.fromkeys(n for steps in summary.values() for st in steps.values() for n in st["rewards"]))
+    panels = [(f"{n} (held-out Δ / base std)", {s: [(step, st["rewards"][n]["mean"]) for step, st in steps.items()
+                                                    if n in st["rewards"]] for s, steps in summary.items()})
+              for n in names]
+    panels.append(("composite over the training rewards",
+                   {s: [(step, st["composite"]["mean"]) for step, st in steps.items() if st["composite"]]
+                    for s, steps in summary.items()}))
+    return line_figure(panels, ylabel="Δ / base std", hline=0.0,
+                       title="Held-out improvement at each checkpoint: each strategy's mean over its runs")
 
 
 def _has_checkpoint(run_dir: Path) -> bool:
@@ -633,15 +727,17 @@ def _check_args(args: argparse.Namespace) -> None:
         int_in("--num-steps", args.num_steps, 2, 1000)
     if args.guidance is not None:
         number_in("--guidance", args.guidance, 1.0, 100.0)
-    for run in [args.run] if args.run else args.study:
+    flag, runs = next((f, v) for f, v in (("--run", [args.run] if args.run else None), ("--study", args.study),
+                                           ("--curve", args.curve)) if v)
+    for run in runs:
         if not (Path(run) / "config.json").is_file():
-            raise UsageError(f"{'--run' if args.run else '--study'}={run!r}: is not a run folder (no config.json)")
+            raise UsageError(f"{flag}={run!r}: is not a run folder (no config.json)")
     if args.checkpoint is not None:
         ckpt = Path(args.checkpoint)
         if not (ckpt / "pytorch_lora_weights.safetensors").is_file():
             raise UsageError(f"--checkpoint={args.checkpoint!r}: holds no pytorch_lora_weights.safetensors; pass "
                              f"a checkpoint folder such as RUN/checkpoints/step_000010")
-    if args.study and args.out:
+    if (args.study or args.curve) and args.out:
         writable_dir("--out", Path(args.out))
 
 
@@ -650,7 +746,9 @@ def main(argv: list[str] | None = None) -> int:
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument("--run", help="a run folder (config.json + checkpoints/)")
     what.add_argument("--study", nargs="+", metavar="RUN", help="several run folders to compare")
-    ap.add_argument("--out", help="--study: folder for study.md, study.json and the figures")
+    what.add_argument("--curve", nargs="+", metavar="RUN",
+                      help="several run folders, each evaluated at every checkpoint it kept")
+    ap.add_argument("--out", help="--study / --curve: folder for the tables, JSON and figures")
     ap.add_argument("--prompts", default="test", choices=("train", "test"), help="prompt split (default test)")
     ap.add_argument("--prompts-per-source", type=int, default=16)
     ap.add_argument("--seeds", type=int, default=4, help="images per prompt")
@@ -676,9 +774,12 @@ def main(argv: list[str] | None = None) -> int:
             print(run_table(evaluate_run(args.run, settings, checkpoint=args.checkpoint)))
         else:
             if not args.out:
-                ap.error("--study needs --out DIR")
-            study(args.study, args.out, settings)
-            print((Path(args.out) / "study.md").read_text())
+                ap.error(f"{'--study' if args.study else '--curve'} needs --out DIR")
+            if args.study:
+                study(args.study, args.out, settings)
+            else:
+                curve(args.curve, args.out, settings)
+            print((Path(args.out) / ("study.md" if args.study else "curve.md")).read_text())
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}")
         return 2

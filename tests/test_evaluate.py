@@ -244,6 +244,42 @@ def test_a_seed_study_draws_one_panel_per_strategy_and_every_seed(runs, tmp_path
         assert seeded_png.size[1] < single_png.size[1]
 
 
+def test_a_curve_evaluates_every_checkpoint_without_touching_the_runs(tmp_path, capsys):
+    """--curve: held-out Δ/std at each checkpoint a run kept; the last point is the run's own evaluation (same
+    seeds, same base), the strategy rows pool the runs, and the run folders are left as they were."""
+    cfg = small_config("marble", steps=2, checkpoint_every=1, **{
+        "prompts.sources": WORLD, "sampling.prompts_per_step": 4, "sampling.max_sequence_length": 4,
+        "rewards": [{"name": "count_accuracy"}, {"name": "colorfulness"}], "optim.lr": 0.02})
+    runs = []
+    for seed in (0, 1):
+        cfg.seed = seed
+        cfg.save(tmp_path / f"s{seed}.json")
+        runs.append(tmp_path / f"run-s{seed}")
+        assert train_main(["--config", str(tmp_path / f"s{seed}.json"), "--out", str(runs[-1]), "--quiet"]) == 0
+    settings = EvalSettings("test", 2, 2)
+    final = evaluate_run(runs[0], settings)  # the run's own evaluation of its last checkpoint
+    kept = (runs[0] / "eval_test.json").read_bytes()
+    assert main(["--curve", *map(str, runs), "--out", str(tmp_path / "curve"), "--prompts-per-source", "2",
+                 "--seeds", "2"]) == 0
+    assert "| marble | 1 | 2 |" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "curve" / "curve.json").read_text())
+    assert [(p["run"], p["step"]) for p in doc["points"]] == [("run-s0", 1), ("run-s0", 2), ("run-s1", 1),
+                                                              ("run-s1", 2)]
+    last = doc["points"][1]
+    for name in ("count_accuracy", "colorfulness"):
+        assert last["z"][name] == pytest.approx(final["rewards"][name]["z"])
+        zs = [p["z"][name] for p in doc["points"] if p["step"] == 2]
+        assert doc["strategies"]["marble"]["2"]["rewards"][name]["mean"] == pytest.approx(sum(zs) / 2)
+    assert doc["points"][0]["z"] != last["z"]  # step 1 is its own checkpoint, not the last one again
+    assert (runs[0] / "eval_test.json").read_bytes() == kept and not (runs[1] / "eval_test.json").exists()
+    img = np.asarray(Image.open(tmp_path / "curve" / "curve.png").convert("RGB"))
+    assert len(np.unique(img.reshape(-1, 3), axis=0)) > 5
+
+    archived = _archive(runs[0], tmp_path / "archived")  # what a study keeps: no checkpoints
+    assert main(["--curve", str(archived), "--out", str(tmp_path / "c2")]) == 2
+    assert "a curve needs the run folders with their checkpoints/" in capsys.readouterr().out
+
+
 def test_errors_name_the_problem(tmp_path, capsys):
     (tmp_path / "config.json").write_text(small_config().to_json())
     assert main(["--run", str(tmp_path)]) == 2
