@@ -97,8 +97,10 @@ def test_study_page_says_what_to_do_before_any_run_is_picked():
     """With nothing picked the tables and plots carry the hint, not Gradio's bare "1 2 3" headers."""
     from app.pages.study import EMPTY_HINT, render
 
-    table, summary, supported, pareto, overlay, *_ = render([], None, None)
+    table, summary, supported, pareto, overlay, x_pick, y_pick, *_ = render([], "clean_background", "palette_purity")
     assert table.iloc[0, 0] == EMPTY_HINT and list(summary.columns) == ["strategies"] and supported == ""
+    # every run unpicked: the axis pickers are emptied with their values, or the next pick fails Gradio's check
+    assert x_pick["choices"] == [] and x_pick["value"] is None and y_pick["value"] is None
     assert EMPTY_HINT in pareto.layout.annotations[0].text and EMPTY_HINT in overlay.layout.annotations[0].text
 
 

@@ -177,7 +177,10 @@ def render(run_ids: list[int], x_reward: str | None, y_reward: str | None):
     if not run_ids:
         empty = plots.empty_figure("Study", EMPTY_HINT)
         no_table, no_summary = _placeholder_tables()
-        return (no_table, no_summary, "", empty, empty, gr.update(choices=[]), gr.update(choices=[]), None, "")
+        # the axis pickers lose their value with their choices: a value left outside the (empty) choices made the
+        # next pick fail in Gradio's input check ("Value: clean_background is not in the list of choices: []")
+        return (no_table, no_summary, "", empty, empty, gr.update(choices=[], value=None),
+                gr.update(choices=[], value=None), None, "")
     df, points = study_table([int(r) for r in run_ids])
     names = sorted({k for p in points for k in p["scores"]})
     x = x_reward if x_reward in names else (names[0] if names else None)
