@@ -135,20 +135,28 @@ lower rate, LoRA beyond attention, twice the steps, a better base, rank 32, more
 any of three (docs/study-quality/)."""
 
 
-def object_world(strategy: str = "marble", **balance: Any) -> TrainConfig:
+def object_world(strategy: str = "marble", steps: int = MINI_WORLD_STEPS, **balance: Any) -> TrainConfig:
     """mini_world's budget (200 steps, 48 images a step, LoRA r=8, lr 5e-4) on the object world: 12 prompts a step,
-    6 from each source, so each specialist has 24 images of each step."""
-    return mini_world(strategy, sources=OBJECT_WORLD_SOURCES,
-                      rewards=OBJECT_WORLD_GENERAL + [r for r, _ in OBJECT_WORLD_SPECIALISTS], **balance)
+    6 from each source, so each specialist has 24 images of each step. ``steps`` shortens the run, nothing else."""
+    cfg = mini_world(strategy, sources=OBJECT_WORLD_SOURCES,
+                     rewards=OBJECT_WORLD_GENERAL + [r for r, _ in OBJECT_WORLD_SPECIALISTS], **balance)
+    cfg.steps = steps
+    return cfg
 
 
-def _object_sequential() -> TrainConfig:
+def _object_sequential(steps: int = MINI_WORLD_STEPS) -> TrainConfig:
     """The sequential baseline on the object world: a third of the budget on each specialist (its own source),
     then the rest on the three general rewards (both sources, α = 1/3 each)."""
-    third = MINI_WORLD_STEPS // 3
+    third = steps // 3
     stages = [StageConfig([r], third, [src]) for r, src in OBJECT_WORLD_SPECIALISTS]
-    stages.append(StageConfig(list(OBJECT_WORLD_GENERAL), MINI_WORLD_STEPS - 2 * third, list(OBJECT_WORLD_SOURCES)))
-    return object_world("sequential", stages=stages)
+    stages.append(StageConfig(list(OBJECT_WORLD_GENERAL), steps - 2 * third, list(OBJECT_WORLD_SOURCES)))
+    return object_world("sequential", steps, stages=stages)
+
+
+OBJECT_SHORT_STEPS = 150
+"""The object150 family's budget, fixed before its study (docs/study-object150/PREREGISTRATION.md): in the
+200-step object study (seeds 0-3) the balancing strategies' held-out gains peaked at step 150 and were partly
+lost by 200, as each run's KL to the reference rose. Its study runs on new seeds (4-7)."""
 
 
 def _study_family(name: str, world, sequential, marble: str, schedule: str) -> dict[str, tuple[str, Any]]:
@@ -187,6 +195,11 @@ PRESETS: dict[str, tuple[str, Any]] = {
                     "(clean background, palette purity, crisp edges) and two specialists (the object alone; the "
                     "object at the size asked); 200 steps.",
                     "66 steps per specialist, then 68 on the three general rewards"),
+    **_study_family("object150", lambda strategy="marble", **b: object_world(strategy, OBJECT_SHORT_STEPS, **b),
+                    lambda: _object_sequential(OBJECT_SHORT_STEPS),
+                    "object-marble stopped at step 150, the budget fixed before its study (seeds 4-7) from the "
+                    "200-step study's checkpoint curve, where later steps lost the balancing strategies' gains.",
+                    "50 steps per specialist, then 50 on the three general rewards"),
     "tiny": ("Tiny random-weight SD3, three weight-free rewards, MARBLE (N=10, ρ=0.7). Seconds per step.",
              _preset_tiny),
     "tiny-weighted-sum": ("The tiny preset with the weighted-sum baseline.",

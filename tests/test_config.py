@@ -109,3 +109,19 @@ def test_sd35_preset_carries_the_papers_hyperparameters():
     assert (cfg.nft.nft_beta, cfg.nft.adv_clip_max, cfg.nft.kl_coef) == (0.1, 5.0, 1e-4)
     assert (cfg.balance.harmonize_every, cfg.balance.ema_rho) == (10, 0.7)
     assert (cfg.sampling.num_steps, cfg.sampling.resolution, cfg.sampling.images_per_prompt) == (25, 512, 24)
+
+
+def test_the_object150_family_is_the_object_family_stopped_at_step_150():
+    """Fixed before its study (docs/study-object150/PREREGISTRATION.md): the same world, rewards, batch, LoRA, rate
+    and balancing as object-*, only 150 steps, and the sequential baseline's three stages rescaled to 50 each."""
+    from core.presets import OBJECT_SHORT_STEPS
+
+    assert OBJECT_SHORT_STEPS == 150
+    for strategy in ("marble", "weighted-sum", "equal", "sequential", "marble-full"):
+        short, full = preset(f"object150-{strategy}").to_dict(), preset(f"object-{strategy}").to_dict()
+        assert short.pop("steps") == 150 and full.pop("steps") == 200
+        stages = [s.pop("steps") for s in short["balance"].pop("stages") or []]
+        full_stages = [s.pop("steps") for s in full["balance"].pop("stages") or []]
+        assert short == full  # nothing else differs
+        if strategy == "sequential":
+            assert stages == [50, 50, 50] and full_stages == [66, 66, 68]

@@ -70,6 +70,6 @@ def test_the_world_study_archives_each_evaluated_run_and_skips_it_in_a_later_ses
 
 def test_the_family_study_names_its_families_and_passes_a_bad_seed_to_the_world_studys_check():
     done = run_script("family_study.sh", "colour")
-    assert done.returncode == 2 and "FAMILY: object or quality (got 'colour')" in done.stderr
+    assert done.returncode == 2 and "FAMILY: object, object150 or quality (got 'colour')" in done.stderr
     done = run_script("family_study.sh", "object", "0 z")
     assert done.returncode == 2 and done.stderr.strip() == "SEED=z: must be a whole number >= 0"
