@@ -337,11 +337,6 @@ def study(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSetting
     return doc
 
 
-def checkpoint_step(path: Path) -> int:
-    """step_000150 -> 150."""
-    return int(path.name.rsplit("_", 1)[-1])
-
-
 def curve(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSettings) -> dict:
     """Held-out Δ/std of every training reward (and the composite) at every checkpoint each run kept, against
     one base evaluation; writes curve.json (one point per run and checkpoint, and each strategy's mean ± standard
@@ -351,12 +346,14 @@ def curve(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSetting
     if missing:
         raise FileNotFoundError(f"no checkpoints to evaluate in {', '.join(missing)}; a curve needs the run folders "
                                 f"with their checkpoints/, not a study archive")
+    from core.checkpoint import checkpoints_in, step_of
+
     base = shared_base(runs, settings)
     points = []
     for r in runs:
-        for ckpt in sorted((r / "checkpoints").glob("step_*"), key=checkpoint_step):
+        for ckpt in checkpoints_in(r):
             res = evaluate_run(r, settings, base, checkpoint=ckpt, write=False)
-            points.append({"run": r.name, "strategy": res["strategy"], "step": checkpoint_step(ckpt),
+            points.append({"run": r.name, "strategy": res["strategy"], "step": step_of(ckpt),
                            "train_rewards": res["train_rewards"], "composite_train": res["composite_train"],
                            "z": {n: res["rewards"][n]["z"] for n in res["train_rewards"]}})
     summary = curve_summary(points)
