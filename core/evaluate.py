@@ -201,9 +201,10 @@ def evaluate_base(config, settings: EvalSettings, reward_names: list[str] | None
 
 
 def evaluate_run(run_dir: str | Path, settings: EvalSettings, base: BaseEvaluation | None = None,
-                 checkpoint: str | Path | None = None, write: bool = True) -> dict:
+                 checkpoint: str | Path | None = None, write: bool = True, events: list[dict] | None = None) -> dict:
     """Evaluate one run (its last checkpoint unless ``checkpoint``) against its base model; returns the result
-    and, with ``write``, also keeps it as DIR/eval_<split>.json and .md."""
+    and, with ``write``, also keeps it as DIR/eval_<split>.json and .md. ``events``: the run's parsed log when the
+    caller has already read it."""
     from core.config import TrainConfig
     from core.models import load_lora, load_pipeline
 
@@ -228,7 +229,7 @@ def evaluate_run(run_dir: str | Path, settings: EvalSettings, base: BaseEvaluati
         **compare(base.scores, scores, config.reward_names),
         "by_source": {"base": by_source(base.scores, base.items, settings),
                       "run": by_source(scores, base.items, settings)},
-        "training": training_summary(run_dir), "seconds": time.perf_counter() - t0,
+        "training": training_summary(run_dir, events), "seconds": time.perf_counter() - t0,
     }
     if write:
         (run_dir / f"eval_{settings.split}.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -285,11 +286,12 @@ def worst_cosines(events: list[dict]) -> list[tuple[int, float]]:
     return out
 
 
-def training_summary(run_dir: Path) -> dict:
+def training_summary(run_dir: Path, events: list[dict] | None = None) -> dict:
     """From a run's log: steps and training time, the worst-cosine diagnostics, and ``kl_end``, the mean of the
     logged KL to the reference model (mean squared velocity difference) over the last 10% of steps: how far
-    the policy has drifted by the end, which a late collapse shows as a jump."""
-    events = read_events(run_dir)
+    the policy has drifted by the end, which a late collapse shows as a jump. ``events``: the parsed log, when
+    the caller has already read it (else it is read from ``run_dir``)."""
+    events = read_events(run_dir) if events is None else events
     steps = [e for e in events if e.get("event") == "step"]
     worst = [c for _, c in worst_cosines(events)]
     tail = _finite(e.get("kl") for e in steps[-max(1, len(steps) // 10):])
@@ -320,15 +322,16 @@ def study(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSetting
     study.md, study.json, alpha.png and worst_cosine.png into ``out_dir``."""
     runs = [Path(r) for r in run_dirs]
     base = shared_base(runs, settings)
-    results = [evaluate_run(r, settings, base) if _has_checkpoint(r) else archived_evaluation(r, settings, base)
-               for r in runs]
-    for r, res in zip(runs, results):  # from the log, also for an archived run evaluated before a field existed
-        res["mean_alpha"] = mean_alpha(read_events(r))
-        res["training"] = training_summary(r)
+    logs = [read_events(r) for r in runs]  # each log read once: a 200-step log is ~0.6 MB of JSON lines
+    results = [evaluate_run(r, settings, base, events=ev) if _has_checkpoint(r)
+               else archived_evaluation(r, settings, base) for r, ev in zip(runs, logs)]
+    for r, res, ev in zip(runs, results, logs):  # from the log, also for an archived run evaluated before a field existed
+        res["mean_alpha"] = mean_alpha(ev)
+        res["training"] = training_summary(r, ev)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    write_figures(runs, results, out)
+    write_figures(runs, results, out, logs)
     doc = {"settings": base.key, "runs": results, "strategies": strategy_stats(results),
            "base": {n: _stats(v)[:2] for n, v in base.scores.items()}}
     (out / "study.json").write_text(json.dumps(doc, indent=2) + "\n")
@@ -469,20 +472,23 @@ def _mean_series(series: list[list[tuple[float, float]]]) -> list[tuple[float, f
     return [(x, float(np.mean(ys))) for x, ys in sorted(at.items())]
 
 
-def write_figures(runs: list[Path], results: list[dict], out: Path) -> list[Path]:
+def write_figures(runs: list[Path], results: list[dict], out: Path,
+                  logs: list[list[dict]] | None = None) -> list[Path]:
     """Save :func:`study_figures` as PNG files in ``out``; returns their paths in order."""
     from core.figures import save_png
 
-    return [save_png(fig, out / name) for name, fig in study_figures(runs, results).items()]
+    return [save_png(fig, out / name) for name, fig in study_figures(runs, results, logs).items()]
 
 
-def study_figures(runs: list[Path], results: list[dict]) -> dict[str, Figure]:
+def study_figures(runs: list[Path], results: list[dict], logs: list[list[dict]] | None = None) -> dict[str, Figure]:
     """The study's matplotlib figures by file name: alpha.png and worst_cosine.png from the runs'
     events.jsonl. When a strategy has several runs (seeds), its runs are drawn as one panel / one line —
     their mean at each step — and seeds.png shows every run's Δ/std per training reward, one column per
-    strategy (bar = mean ± standard error), so a seed study stays readable."""
+    strategy (bar = mean ± standard error), so a seed study stays readable. ``logs``: the runs' parsed events in
+    the order of ``runs``, when the caller has already read them."""
     from core.figures import line_figure, literal, strip_figure
 
+    log_of = dict(zip(runs, logs)) if logs is not None else {}
     groups: dict[str, list[tuple[Path, dict]]] = {}
     for r, res in zip(runs, results):
         groups.setdefault(res["strategy"], []).append((r, res))
@@ -497,7 +503,7 @@ def study_figures(runs: list[Path], results: list[dict]) -> dict[str, Figure]:
         alphas: dict[str, list[list[tuple[float, float]]]] = {}
         cosines = []
         for r, _ in members:
-            events = read_events(r)
+            events = log_of[r] if r in log_of else read_events(r)
             per_run: dict[str, list[tuple[float, float]]] = {}
             for ev in events:
                 if ev.get("event") == "step":

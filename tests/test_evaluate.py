@@ -151,6 +151,8 @@ def test_training_summary_gives_the_drift_over_the_last_tenth_of_steps(tmp_path)
     assert summary["kl_end"] == pytest.approx((3.9 + 4.0) / 2) and summary["steps"] == 20
     (tmp_path / "events.jsonl").write_text("")
     assert math.isnan(training_summary(tmp_path)["kl_end"])
+    # a caller that has parsed the log already passes it, and the file is not read again
+    assert training_summary(tmp_path, steps)["kl_end"] == pytest.approx((3.9 + 4.0) / 2)
 
 
 def _archive(run, dest):
@@ -239,6 +241,12 @@ def test_a_seed_study_draws_one_panel_per_strategy_and_every_seed(runs, tmp_path
     single = write_figures([marble, marble, wsum], [result("marble", 0.5, 0.5), result("equal", -0.5, -0.5),
                                                     result("weighted_sum", 1.0, 1.0)], tmp_path / "single")
     assert [p.name for p in single] == ["alpha.png", "worst_cosine.png"]  # no seeds figure without seeds
+
+    # logs the caller has parsed are drawn instead of reading the runs' events.jsonl again
+    logs = [[{"event": "step", "step": 1, "alpha": {"count_accuracy": 0.9}}], []]
+    alpha_panel = _panels(study_figures([marble, wsum], seeded[1:], logs)["alpha.png"])[0]
+    (line,) = [ln for ln in alpha_panel.lines if ln.get_gid() == "line:count_accuracy"]
+    assert line.get_ydata().tolist() == [0.9]
     # two strategies -> two α panels (one row), where three single runs take two rows
     with Image.open(paths[0]) as seeded_png, Image.open(single[0]) as single_png:
         assert seeded_png.size[1] < single_png.size[1]
