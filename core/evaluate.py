@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -320,7 +320,14 @@ def shared_base(runs: list[Path], settings: EvalSettings) -> BaseEvaluation:
 def study(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSettings) -> dict:
     """Evaluate runs that share a model, prompts and sampler against one base evaluation; write
     study.md, study.json, alpha.png and worst_cosine.png into ``out_dir``."""
+    from core.config import TrainConfig
+
     runs = [Path(r) for r in run_dirs]
+    refused = unpoolable([(str(r), TrainConfig.load(r / "config.json").balance.strategy,
+                           json.loads((r / "config.json").read_text())) for r in runs])
+    if refused:
+        raise ValueError("a study pools each strategy's runs as seeds of one design; "
+                         + "; ".join(f"{s}: {why}" for s, why in refused.items()))
     base = shared_base(runs, settings)
     logs = [read_events(r) for r in runs]  # each log read once: a 200-step log is ~0.6 MB of JSON lines
     results = [evaluate_run(r, settings, base, events=ev) if _has_checkpoint(r)
@@ -593,6 +600,46 @@ def mean_alpha(events: list[dict]) -> dict[str, float]:
             for n, a in (ev.get("alpha") or {}).items():
                 values.setdefault(n, []).append(a)
     return {n: float(np.mean(v)) for n, v in ((n, _finite(v)) for n, v in values.items()) if v}
+
+
+SEED_FREE_FIELDS = ("seed", "num_threads", "report_to", "checkpoint_every", "sample_every", "preview_prompts",
+                    "model.device")
+"""Config fields that may differ between the seeds of one design: the seed itself and what does not change the
+training (threads, logging, how often checkpoints and previews are kept, the device)."""
+
+
+def _flat(config: dict) -> dict[str, Any]:
+    """A config as {"section.field": value} (one level deep, as TrainConfig nests), for a field-by-field diff."""
+    return {f"{k}.{kk}" if isinstance(v, dict) else k: vv
+            for k, v in config.items() for kk, vv in (v.items() if isinstance(v, dict) else [(None, v)])}
+
+
+def unpoolable(runs: list[tuple[str, str, dict]]) -> dict[str, str]:
+    """Which strategies' runs cannot be pooled as seeds, and why. ``runs``: (label, strategy, config as a dict)
+    per run. A strategy's runs pool into a mean ± standard error only when they are independent seeds of one
+    design: no seed picked twice (two runs of one seed are one measurement counted twice, with a standard error
+    of about 0) and no config field apart from :data:`SEED_FREE_FIELDS` differing between them (another budget,
+    model or reward set is another experiment)."""
+    groups: dict[str, list[tuple[str, dict]]] = {}
+    for label, strategy, config in runs:
+        groups.setdefault(strategy, []).append((label, _flat(config)))
+    out = {}
+    for strategy, members in groups.items():
+        if len(members) < 2:
+            continue
+        by_seed: dict[Any, list[str]] = {}
+        for label, flat in members:
+            by_seed.setdefault(flat.get("seed"), []).append(label)
+        twice = [f"seed {seed} is picked {len(labels)} times ({', '.join(labels)})"
+                 for seed, labels in by_seed.items() if len(labels) > 1]
+        fields = list(dict.fromkeys(k for _, flat in members for k in flat))
+        differ = [k for k in fields if k not in SEED_FREE_FIELDS
+                  and len({json.dumps(flat.get(k), sort_keys=True) for _, flat in members}) > 1]
+        reasons = twice + ([f"its runs differ in more than the seed: {', '.join(differ[:5])}"
+                            + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")] if differ else [])
+        if reasons:
+            out[strategy] = "; ".join(reasons)
+    return out
 
 
 def _group(results: list[dict]) -> dict[str, list[dict]]:

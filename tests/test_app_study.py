@@ -69,7 +69,34 @@ def test_by_strategy_gives_mean_and_standard_error_over_each_strategys_runs():
     assert out.loc["marble", "Δa (σ)"] == "+2.000 ± 1.000"  # 1 and 3: sample std 1.414, over √2 runs
     assert out.loc["marble", "Δb (σ)"] == "-1.000"  # the missing value is left out, not counted as 0
     assert out.loc["weighted_sum", "composite (σ)"] == "+0.750"
+    assert out.loc["weighted_sum", "note"] == "one run: no spread over seeds" and out.loc["marble", "note"] == "2 seeds"
     assert by_strategy(pd.DataFrame()).empty
+
+
+def test_runs_that_are_not_seeds_of_one_design_are_not_pooled_and_say_why():
+    """Two runs of one seed are one measurement counted twice (a standard error of about 0 made "up by > 1 SE"
+    findings out of a 2-step and a 20-step run of seed 0): such a strategy gets the reason, not numbers."""
+    from app.pages.study import by_strategy, findings
+
+    df = pd.DataFrame([
+        {"run": "#1", "strategy": "marble", "state": "finished", "Δa (σ)": 0.5, "composite (σ)": 0.5},
+        {"run": "#4", "strategy": "marble", "state": "finished", "Δa (σ)": 0.5, "composite (σ)": 0.5},
+        {"run": "#2", "strategy": "weighted_sum", "state": "finished", "Δa (σ)": 2.0, "composite (σ)": 2.0},
+        {"run": "#3", "strategy": "weighted_sum", "state": "finished", "Δa (σ)": 2.2, "composite (σ)": 2.2},
+    ])
+    df.attrs["not_pooled"] = {"marble": "seed 0 is picked 2 times (#1, #4)"}
+    out = by_strategy(df).set_index("strategy")
+    assert out.loc["marble", "runs"] == 2 and out.loc["marble", "Δa (σ)"] == ""
+    assert out.loc["marble", "note"] == "not pooled: seed 0 is picked 2 times (#1, #4)"
+    assert out.loc["weighted_sum", "Δa (σ)"] == "+2.100 ± 0.100"
+    text = findings(df)
+    assert "**marble** is left out: seed 0 is picked 2 times (#1, #4)." in text
+    assert not any(line.startswith("| marble |") for line in text.splitlines())
+    assert any(line.startswith("| weighted_sum |") for line in text.splitlines())
+    df = df.iloc[:2].copy()
+    df.attrs["not_pooled"] = {"marble": "seed 0 is picked 2 times (#1, #4)"}
+    assert findings(df) == "**What the seeds support:** nothing yet. **marble** is left out: seed 0 is picked 2 " \
+                           "times (#1, #4)."
 
 
 def test_findings_say_which_differences_the_finished_seeds_support():
@@ -157,6 +184,9 @@ def test_unfinished_runs_are_marked_and_runs_are_compared_at_the_same_step(store
     assert rows.loc[f"#{long_} long", "state"] == "finished"
     summary = by_strategy(df)
     assert summary.loc[0, "runs"] == 2  # the two finished runs only
+    # ...and they are one seed twice, not two seeds: not pooled
+    assert list(df["seed"]) == [0, 0, 0, 0]
+    assert summary.loc[0, "note"] == f"not pooled: seed 0 is picked 2 times (#{long_} long, #{short} short)"
     *_, note = render([long_, short, partial, queued], None, None)
     assert "compared at step **10**" in note and "#%d partial" % partial in note and "#%d waiting" % queued in note
 

@@ -141,6 +141,39 @@ def test_study_writes_the_table_and_figures_from_the_runs_own_logs(runs, tmp_pat
     assert "KL at end" in md and math.isfinite(doc["runs"][0]["training"]["kl_end"])
 
 
+def test_only_independent_seeds_of_one_design_pool():
+    from core.evaluate import unpoolable
+
+    base = {"seed": 0, "steps": 20, "num_threads": 1, "model": {"name": "m", "device": "cpu"},
+            "balance": {"strategy": "marble"}}
+
+    def cfg(**over):
+        out = json.loads(json.dumps(base))
+        for k, v in over.items():
+            if "." in k:
+                section, field = k.split(".")
+                out[section][field] = v
+            else:
+                out[k] = v
+        return out
+
+    seeds = [("a", "marble", cfg(seed=0)), ("b", "marble", cfg(seed=1, num_threads=2, **{"model.device": "cuda"}))]
+    assert unpoolable(seeds) == {}  # the seed, threads and device may differ
+    assert unpoolable([seeds[0]]) == {}  # one run: nothing to pool
+    assert unpoolable(seeds + [("c", "marble", cfg(seed=0))]) == {"marble": "seed 0 is picked 2 times (a, c)"}
+    other = [("d", "marble", cfg(seed=2, steps=10, **{"model.name": "n"}))]
+    assert unpoolable(seeds + other) == {"marble": "its runs differ in more than the seed: steps, model.name"}
+    # strategies are checked apart: two equal-α runs of one seed do not stop the MARBLE seeds from pooling
+    assert unpoolable(seeds + [("e", "equal", cfg(seed=0)), ("f", "equal", cfg(seed=0))]) == {
+        "equal": "seed 0 is picked 2 times (e, f)"}
+
+
+def test_a_study_refuses_one_run_counted_twice(runs, capsys):
+    assert main(["--study", str(runs[0]), str(runs[0]), str(runs[1]), "--out", "unused",
+                 "--prompts-per-source", "2", "--seeds", "2"]) == 2
+    assert f"marble: seed 0 is picked 2 times ({runs[0]}, {runs[0]})" in capsys.readouterr().out
+
+
 def test_training_summary_gives_the_drift_over_the_last_tenth_of_steps(tmp_path):
     """kl_end: the mean logged KL over the last 10% of steps, so a run that collapses late (KL jumping from 0.2 to
     2.6 in its last steps, as one object-study run did) stands out in the study table."""

@@ -11,7 +11,7 @@ import gradio as gr
 import pandas as pd
 
 from app import context, plots
-from core.evaluate import mean_pm_se, reward_spread, strategy_findings
+from core.evaluate import mean_pm_se, reward_spread, strategy_findings, unpoolable
 from jobs.storage import RunNotFound
 
 WINDOW = 0.1  # share of a run's steps averaged for its start and end values
@@ -43,7 +43,7 @@ def study_table(run_ids: list[int]) -> tuple[pd.DataFrame, list[dict]]:
             continue
     finished = [r.step for r in runs if r.status == "succeeded" and r.step > 0]
     common = min(finished or [r.step for r in runs if r.step > 0] or [0])  # unfinished runs do not set it
-    rows, points = [], []
+    rows, points, designs = [], [], []
     for run in runs:
         rid = run.id
         names = [r["name"] for r in run.config["rewards"]]
@@ -52,7 +52,7 @@ def study_table(run_ids: list[int]) -> tuple[pd.DataFrame, list[dict]]:
         state = "finished" if run.status == "succeeded" else (
             "not started" if run.step == 0 else f"unfinished: {run.status} at {run.step}/{run.total_steps}")
         row: dict[str, Any] = {"run": f"#{rid} {run.name or ''}".strip(), "strategy": run.strategy,
-                               "state": state, "steps": min(run.step, common)}
+                               "seed": run.config.get("seed"), "state": state, "steps": min(run.step, common)}
         composite, scores = None, {}
         for n in names:
             xs, ys = _cut(series.get(f"reward/{n}", ([], [])), common)
@@ -69,7 +69,10 @@ def study_table(run_ids: list[int]) -> tuple[pd.DataFrame, list[dict]]:
         row.update(held_out_columns(store, rid))
         rows.append(row)
         points.append({"label": row["run"], "scores": scores, "balance": store.balance(rid, max_points=500)})
+        if state == "finished":
+            designs.append((row["run"], run.strategy, run.config))
     df = pd.DataFrame(rows)
+    df.attrs["not_pooled"] = unpoolable(designs)
     df.attrs["common_step"] = common
     df.attrs["lengths"] = sorted(set(finished or [r.step for r in runs if r.step > 0]))
     df.attrs["unfinished"] = [row["run"] for row in rows if row["state"] != "finished"]
@@ -121,7 +124,10 @@ def study_note(df: pd.DataFrame) -> str:
 def by_strategy(df: pd.DataFrame) -> pd.DataFrame:
     """One row per strategy: how many runs, and mean ± standard error over them of every improvement column
     (Δ per reward and the composite) — the uncertainty over seeds that one run per strategy cannot show, in the
-    units two strategies are compared in."""
+    units two strategies are compared in. A strategy whose runs are not seeds of one design
+    (``core.evaluate.unpoolable``: a seed picked twice, or another budget, model or reward set) gets no pooled
+    numbers, only the reason; a single run's numbers are its own, without a spread."""
+    not_pooled = df.attrs.get("not_pooled", {})
     if not df.empty and "state" in df:
         df = df[df["state"] == "finished"]
     if df.empty or "strategy" not in df:
@@ -130,10 +136,14 @@ def by_strategy(df: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for strategy, group in df.groupby("strategy", sort=False):
         row: dict[str, Any] = {"strategy": strategy, "runs": len(group)}
-        for c in cols:
-            row[c] = mean_pm_se(pd.to_numeric(group[c], errors="coerce"), digits=3, empty="")
+        if strategy in not_pooled:
+            row["note"] = f"not pooled: {not_pooled[strategy]}"
+        else:
+            for c in cols:
+                row[c] = mean_pm_se(pd.to_numeric(group[c], errors="coerce"), digits=3, empty="")
+            row["note"] = "one run: no spread over seeds" if len(group) == 1 else f"{len(group)} seeds"
         rows.append(row)
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows).fillna("")
 
 
 def findings(df: pd.DataFrame) -> str:
@@ -142,15 +152,22 @@ def findings(df: pd.DataFrame) -> str:
     whose worst reward it beats. Empty until some strategy has two finished runs."""
     if df.empty or "strategy" not in df:
         return ""
+    not_pooled = df.attrs.get("not_pooled", {})
     if "state" in df:
         df = df[df["state"] == "finished"]
     cols = [c for c in df.columns if c.startswith("Δ") and c.endswith(" (σ)")]
     stats = {}
     for strategy, group in df.groupby("strategy", sort=False):
+        if strategy in not_pooled:
+            continue
         rewards, worst = reward_spread({c[1:-4]: pd.to_numeric(group[c], errors="coerce").tolist() for c in cols})
         stats[strategy] = {"runs": len(group), "rewards": rewards, "worst": worst, "mean_alpha": {}}
     text = strategy_findings(stats)
-    return f"**What the seeds support** (training prompts, Δ in σ units; finished runs only). {text}" if text else ""
+    left_out = " ".join(f"**{s}** is left out: {why}." for s, why in not_pooled.items())
+    if not text:
+        return f"**What the seeds support:** nothing yet. {left_out}" if left_out else ""
+    return (f"**What the seeds support** (training prompts, Δ in σ units; finished runs only). "
+            f"{left_out + ' ' if left_out else ''}{text}")
 
 
 EMPTY_HINT = "Pick two or more runs above (e.g. a study's strategies and seeds; New run → Start study queues them)."
