@@ -14,6 +14,11 @@ def hf_cache_dir() -> str:
     return os.path.join(home, "hub")
 
 
+BUILT_IN_MODELS = ("tiny", "mini-world")
+"""The models core.models builds or ships (its ``register_model`` names; a test keeps the two equal), named here so
+torch-free callers (the web form's preflight) can tell them from paths and repo ids."""
+
+
 def model_available(name: str) -> bool:
     """True when ``name`` is a local folder or a repo id with a snapshot in the local HF cache."""
     if Path(name).expanduser().exists():

@@ -12,6 +12,7 @@ mistake is one clear message instead of a failure at the first step.
   (a local path or the Hugging Face cache), a ``remote`` reward has a server url. The message gives the
   ``hf download`` command that makes it usable.
 - :func:`remote_rewards_reachable`: a ``remote`` reward's server answers its health check.
+- :func:`model_found`: model.name is a built-in model, a local folder or a repo id in the local HF cache.
 - :func:`check_resources`: the memory estimate (core.limits) against this machine (torch-free for CPU runs).
 
 Torch-free: the web process calls these through ``jobs.runner.submit``.
@@ -183,6 +184,19 @@ def rewards_usable(config: TrainConfig) -> None:
             raise ConfigError(f"rewards[{i}].name", r.name, why)
 
 
+def model_found(config: TrainConfig) -> None:
+    """model.name is a built-in model, a local folder or a repo id in the local Hugging Face cache: a name that is
+    none of them is refused when the run is queued, not when the worker first loads it."""
+    from core.cache import BUILT_IN_MODELS, hf_cache_dir, model_available
+
+    name = config.model.name
+    if name in BUILT_IN_MODELS or model_available(name):
+        return
+    raise ConfigError("model.name", name, f"must be a built-in model ({', '.join(BUILT_IN_MODELS)}), an existing "
+                      f"diffusers folder, or a Hugging Face repo id already in the local cache ({hf_cache_dir()}); "
+                      f"nothing is downloaded at run time")
+
+
 def check_resources(config: TrainConfig, world_size: int = 1) -> None:
     """The memory estimate against this host's RAM for CPU runs (GPU runs: the trainer, against the GPU)."""
     from core.limits import check_fits_host
@@ -192,6 +206,7 @@ def check_resources(config: TrainConfig, world_size: int = 1) -> None:
 
 def check_run(config: TrainConfig, world_size: int = 1) -> None:
     """Everything above, cheapest first."""
+    model_found(config)
     check_resources(config, world_size)
     rewards_usable(config)
     reward_coverage(config)

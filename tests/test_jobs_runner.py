@@ -155,7 +155,9 @@ def test_worker_runs_jobs_in_their_own_processes_and_a_failing_job_touches_nothi
     assert shown["config"]["steps"] == 4 and [c["step"] for c in shown["checkpoints"]] == [2, 4]
 
     # a config that validates but cannot train: failed, with the error text, and nothing else changed
-    failing = submit(store, small_config("marble", steps=4, **{"model.name": "no-such-model"}))
+    # (queued as a model folder deleted after submit would be: submit itself refuses a model it cannot find)
+    gone = small_config("marble", steps=4, **{"model.name": "no-such-model"})
+    failing = store.create_run(gone.to_dict(), strategy="marble", total_steps=4)
     before = _dump(store)
     worker = env.start_worker("--once")
     assert worker.wait(timeout=180) == 0, env.worker_log()

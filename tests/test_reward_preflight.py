@@ -95,3 +95,24 @@ def test_the_job_refuses_before_its_first_rollout(web_store, empty_cache):
     run = web_store.get_run(run_id)
     assert "rewards[1].name='imagereward'" in run.error and "hf download THUDM/ImageReward" in run.error
     assert run.step == 0 and not list(run.run_dir.glob("samples/*"))
+
+
+def test_a_model_that_is_nowhere_is_refused_when_queued_not_in_the_worker(empty_cache, tmp_path):
+    """A model name that is no built-in model, folder or cached repo id failed only once the worker loaded it
+    (new-user pass); submit's preflight now names the field and the rule."""
+    from core.cache import BUILT_IN_MODELS
+    from core.models import available_models
+    from core.preflight import model_found
+
+    assert set(BUILT_IN_MODELS) == set(available_models())  # the torch-free list is the registry's
+    cfg = preset("tiny")
+    for name in BUILT_IN_MODELS:
+        model_found(cfg.with_overrides({"model.name": name}))
+    with pytest.raises(ConfigError, match=r"model.name='nonexistent-model': must be a built-in model \(tiny, "
+                                          r"mini-world\), an existing diffusers folder, or a Hugging Face repo id"):
+        model_found(cfg.with_overrides({"model.name": "nonexistent-model"}))
+    with pytest.raises(ConfigError, match="org/model"):
+        model_found(cfg.with_overrides({"model.name": "org/model"}))
+    _snapshot(empty_cache, "org/model", "model_index.json")
+    model_found(cfg.with_overrides({"model.name": "org/model"}))  # cached: accepted
+    model_found(cfg.with_overrides({"model.name": str(tmp_path)}))  # an existing folder: accepted (loading checks it)
