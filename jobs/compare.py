@@ -14,6 +14,7 @@ training run for the same CPU or GPU, can be cancelled, and is marked interrupte
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,19 @@ def comparison_dir(store: Store, comparison_id: int) -> Path:
     return store.home / "comparisons" / f"{comparison_id:06d}"
 
 
-def validate_request(entries: list[dict], prompts: list[str], seeds: list[int]) -> None:
+MAX_COMPARE_STEPS = 1000
+
+
+def validate_request(entries: list[dict], prompts: list[str], seeds: list[int], num_steps: Any = 10,
+                     guidance_scale: Any = 1.0) -> None:
+    if not (isinstance(num_steps, (int, float)) and not isinstance(num_steps, bool) and math.isfinite(num_steps)
+            and num_steps == int(num_steps) and 1 <= num_steps <= MAX_COMPARE_STEPS):
+        raise ValueError(f"compare: denoising steps={num_steps!r}: must be a whole number from 1 to "
+                         f"{MAX_COMPARE_STEPS}")
+    if not (isinstance(guidance_scale, (int, float)) and not isinstance(guidance_scale, bool)
+            and math.isfinite(guidance_scale) and guidance_scale >= 1.0):
+        raise ValueError(f"compare: guidance scale={guidance_scale!r}: must be a number >= 1.0 (1.0 = no guidance), "
+                         f"as for training")
     if len(entries) < 2:
         raise ValueError(f"compare: pick at least two checkpoints or base models (got {len(entries)})")
     if not prompts or any(not p.strip() for p in prompts):
@@ -46,7 +59,7 @@ def start_comparison(store: Store, name: str, entries: list[dict], prompts: list
     "run_id" (or None), "rewards": [reward configs], optional "weights": "ema" (default: the checkpoint's
     parameter EMA) or "raw"}``. Returns the comparison id; its job is ``get_comparison(id)["job_id"]``
     (start a worker, e.g. ``jobs.runner.ensure_worker``, for it to run)."""
-    validate_request(entries, prompts, seeds)
+    validate_request(entries, prompts, seeds, num_steps, guidance_scale)
     settings = {"entries": entries, "prompts": prompts, "seeds": seeds, "num_steps": int(num_steps),
                 "guidance_scale": float(guidance_scale)}
     run_ids = sorted({e["run_id"] for e in entries if e.get("run_id") is not None})

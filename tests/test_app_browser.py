@@ -245,6 +245,10 @@ def test_compare_two_checkpoints_side_by_side(page, server):
     page.locator("#compare-slider").scroll_into_view_if_needed()
     page.wait_for_function("() => [...document.querySelectorAll('#compare-slider img')]"
                            ".filter(i => i.naturalWidth > 0).length >= 2", timeout=30_000)
+    # the A and B pickers name the columns they show, by number and checkpoint
+    assert page.locator("#compare-a input").input_value().startswith("1. ")
+    assert page.locator("#compare-b input").input_value().startswith("2. ")
+    assert "step 2" in page.locator("#compare-b input").input_value()
     shot(page, "compare")
 
 

@@ -228,3 +228,30 @@ def test_every_preset_note_names_its_model_and_the_studied_worlds_give_a_measure
         if name.startswith(("mini-", "object-")):
             assert "mini-world" in note and "minutes on 2 CPU cores" in note and "measured" in note
     assert preset_note("no-such-preset") == "" and preset_note(None) == ""
+
+
+def test_no_number_box_rounds_or_bounds_what_the_user_typed(web_store):
+    """precision=0 made Gradio round 2.5 to 2 before any check saw it (steps=2.5 was queued as 2 steps), and its
+    minimum/maximum answered 0 seeds with an unnamed toast; the handlers' own checks name the field and rule."""
+    import gradio as gr
+
+    from app.main import build_app
+    from app.pages.new_run import start
+
+    numbers = [b for b in build_app().blocks.values() if isinstance(b, gr.Number)]
+    assert len(numbers) > 20
+    assert [n.label for n in numbers if n.precision is not None or n.minimum is not None or n.maximum is not None] == []
+    fields = form_fields(preset("tiny"))
+    values = [2.5 if f.path == "steps" else f.default for f in fields]
+    cfg = preset("tiny")
+    error, status = start("tiny", "", cfg.reward_names, "", "", None, list(cfg.prompts.sources), fields, values)
+    assert "steps=2.5: must be an integer" in error and status == "" and web_store.list_runs() == []
+
+
+@pytest.mark.parametrize("n", [2.5, 0, -3, None])
+def test_replay_refuses_a_solve_interval_that_is_not_a_whole_number_of_steps(web_store, n):
+    from app.pages.replay import render
+
+    run_id = web_store.create_run(preset("tiny").to_dict(), strategy="marble", total_steps=3)
+    _, note = render(run_id, 0.7, n, True)
+    assert note == f"`N={n}: write a whole number of steps ≥ 1`"

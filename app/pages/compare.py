@@ -59,7 +59,7 @@ def start(name: str, picked: list[str], prompts_text: str, seeds_text: str, step
     default = default if len(default) <= 200 else default[:197] + "..."
     try:
         cid = start_comparison(context.store(), (name or "").strip() or default, entries, prompts, seeds,
-                               int(steps), float(guidance))
+                               steps, guidance)
     except ValueError as e:
         return f"**Not started.** `{e}`", gr.skip()
     ensure_worker(context.store())
@@ -81,13 +81,28 @@ def cancel(comparison_id: Any) -> str:
             f"Comparison #{comparison_id}: stop requested; it stops after the column it is generating.")
 
 
-def grid(comparison_id: Any, a: int = 0, b: int = 1) -> tuple[str, Any, list[str], Any, Any]:
-    """(status markdown, gallery items row-major, row labels, A/B row dropdown update, A/B slider pair).
+def _columns(cells: list[dict] | None, a: Any, b: Any) -> tuple[Any, Any]:
+    """The A and B column pickers: each column by its number and checkpoint label, the values kept where the grid
+    has them (else the first two columns)."""
+    if not cells:
+        return gr.update(choices=[], value=None), gr.update(choices=[], value=None)
+    choices = [(f"{i + 1}. {c['label']}", i) for i, c in enumerate(cells)]
+    last = len(cells) - 1
+
+    def keep(v: Any, default: int) -> int:
+        return v if isinstance(v, int) and 0 <= v <= last else min(default, last)
+
+    return gr.update(choices=choices, value=keep(a, 0)), gr.update(choices=choices, value=keep(b, 1))
+
+
+def grid(comparison_id: Any, a: int | None = 0, b: int | None = 1) -> tuple[Any, ...]:
+    """(status markdown, gallery items row-major, row labels, A/B row dropdown update, A/B slider pair, A column
+    picker update, B column picker update).
     The slider is filled here for the first row, not by the row dropdown's change event: two comparisons
     with the same first prompt and seed have the same row label, so the dropdown's value would not change
     and the slider would keep the previous comparison's images."""
     if comparison_id is None:
-        return EMPTY, "", [], gr.update(choices=[], value=None), None
+        return EMPTY, "", [], gr.update(choices=[], value=None), None, *_columns(None, a, b)
     from jobs.compare import status_of
 
     store = context.store()
@@ -98,21 +113,22 @@ def grid(comparison_id: Any, a: int = 0, b: int = 1) -> tuple[str, Any, list[str
         last = (error or "").strip().splitlines()[:1]
         return (f"**{status.capitalize()}:** `` {last[0] if last else 'no reason recorded'} ``"
                 + (f" (job #{job.id}'s log on the Runs page)" if job is not None else ""), "", [],
-                gr.update(choices=[], value=None), None)
+                gr.update(choices=[], value=None), None, *_columns(None, a, b))
     if status != "succeeded" or not result.get("rows"):
         progress = f" ({job.step}/{job.total_steps} columns)" if job is not None and status == "running" else ""
         after = ("Resume it on the Runs page to generate it." if status == "cancelled" else
                  "the grid appears when it is done.")
         return (f"Comparison #{row['id']} is **{status}**{progress} — {after}", "", [],
-                gr.update(choices=[], value=None), None)
+                gr.update(choices=[], value=None), None, *_columns(None, a, b))
     labels = [f"{i}: {r['prompt']} (seed {r['seed']})" for i, r in enumerate(result["rows"])]
     n = len(result["rows"][0]["cells"]) if result["rows"] else 1
     md = (f"Comparison #{row['id']} **{row['name']}**: {len(result['rows'])} prompt×seed rows × {n} columns "
           f"({result.get('seconds', 0):.1f} s). Columns: "
           + ", ".join(c["label"] for c in result["rows"][0]["cells"]))
     first = labels[0] if labels else None
+    col_a, col_b = _columns(result["rows"][0]["cells"], a, b)
     return (md, grid_html(result["rows"]), labels, gr.update(choices=labels, value=first),
-            slider_pair(comparison_id, first, a, b))
+            slider_pair(comparison_id, first, col_a["value"], col_b["value"]), col_a, col_b)
 
 
 IMAGE_PX = 128  # images are drawn at most this wide (2x a 64 px image, pixels kept sharp), never stretched
@@ -141,7 +157,7 @@ def grid_html(rows: list[dict]) -> str:
             f"<tbody>{''.join(body)}</tbody></table>")
 
 
-def slider_pair(comparison_id: Any, row_label: str | None, a: int, b: int) -> Any:
+def slider_pair(comparison_id: Any, row_label: str | None, a: int | None, b: int | None) -> Any:
     """The A and B columns' images of one row (columns past the last are clamped to it)."""
     if comparison_id is None or not row_label:
         return None
@@ -153,19 +169,20 @@ def slider_pair(comparison_id: Any, row_label: str | None, a: int, b: int) -> An
     return (cells[a]["path"], cells[b]["path"])
 
 
-def poll(comparison_id: Any, shown: Any, a: int, b: int) -> tuple[Any, ...]:
-    """A timer tick on the shown comparison: (status, gallery, shown, row dropdown, slider, saved list). It
+def poll(comparison_id: Any, shown: Any, a: int | None, b: int | None) -> tuple[Any, ...]:
+    """A timer tick on the shown comparison: (status, gallery, shown, row dropdown, slider, A and B column
+    pickers, saved list). It
     re-sends the grid only when what it shows changed (queued -> running -> done or failed); ``shown`` is
     the rows once done, else the status line."""
     skip = gr.skip()
     if comparison_id is None:
-        return skip, skip, shown, skip, skip, skip
-    md, items, labels, rows, pair = grid(comparison_id, a, b)
+        return skip, skip, shown, skip, skip, skip, skip, skip
+    md, items, labels, rows, pair, col_a, col_b = grid(comparison_id, a, b)
     key = labels or md
     if key == shown:
-        return skip, skip, shown, skip, skip, skip
+        return skip, skip, shown, skip, skip, skip, skip, skip
     finished = bool(labels) or md.startswith(("**Failed", "**Interrupted")) or "is **cancelled**" in md
-    return md, items, key, rows, pair, gr.update(choices=saved_choices()) if finished else skip
+    return md, items, key, rows, pair, col_a, col_b, gr.update(choices=saved_choices()) if finished else skip
 
 
 def build(timer: gr.Timer) -> dict:
@@ -180,7 +197,7 @@ def build(timer: gr.Timer) -> dict:
             name = gr.Textbox(label="Name (optional)", value="", placeholder="default: the columns, e.g. "
                               "#3 marble · step 100 vs base mini-world", elem_id="compare-name")
             seeds = gr.Textbox(label="Seeds", value="0, 1", elem_id="compare-seeds")
-            steps = gr.Number(label="Denoising steps", value=10, precision=0)
+            steps = gr.Number(label="Denoising steps", value=10)
             guidance = gr.Number(label="Guidance scale", value=1.0)
             go_btn = gr.Button("Generate side by side", variant="primary", elem_id="compare-start")
             cancel_btn = gr.Button("Cancel", variant="stop", elem_id="compare-cancel")
@@ -191,8 +208,8 @@ def build(timer: gr.Timer) -> dict:
                       elem_id="compare-gallery")
     with gr.Row():
         row_pick = gr.Dropdown(choices=[], label="A/B row", elem_id="compare-row")
-        a_idx = gr.Number(label="A column", value=0, precision=0)
-        b_idx = gr.Number(label="B column", value=1, precision=0)
+        a_idx = gr.Dropdown(choices=[], label="A: left of the slider (a column of the grid)", elem_id="compare-a")
+        b_idx = gr.Dropdown(choices=[], label="B: right of the slider", elem_id="compare-b")
     slider = gr.ImageSlider(label="A/B", elem_id="compare-slider")
     done = gr.State(None)
 
@@ -200,12 +217,12 @@ def build(timer: gr.Timer) -> dict:
                   [picked, saved])
     go_btn.click(start, [name, picked, prompts, seeds, steps, guidance], [status, saved])
     cancel_btn.click(cancel, saved, message)
-    outs = [status, gallery, done, row_pick, slider]
+    outs = [status, gallery, done, row_pick, slider, a_idx, b_idx]
     saved.change(grid, [saved, a_idx, b_idx], outs)
 
     timer.tick(poll, [saved, done, a_idx, b_idx], [*outs, saved], show_progress="hidden")
     # the user's choices only: a newly shown comparison fills the slider itself (grid)
     row_pick.input(slider_pair, [saved, row_pick, a_idx, b_idx], slider)
     for comp in (a_idx, b_idx):
-        comp.change(slider_pair, [saved, row_pick, a_idx, b_idx], slider)
+        comp.input(slider_pair, [saved, row_pick, a_idx, b_idx], slider)
     return {"entries": picked, "refresh": refresh, "saved": saved}

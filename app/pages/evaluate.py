@@ -148,8 +148,8 @@ def build(run_box: gr.Dropdown, timer: gr.Timer) -> dict:
         with gr.Row():
             checkpoint = gr.Dropdown(choices=[], label="Checkpoint step (default: the newest)",
                                      elem_id="eval-checkpoint", scale=2)
-            per_source = gr.Number(value=16, precision=0, label="Prompts per source", elem_id="eval-prompts", scale=1)
-            seeds = gr.Number(value=4, precision=0, label="Seeds per prompt", elem_id="eval-seeds", scale=1)
+            per_source = gr.Number(value=16, label="Prompts per source", elem_id="eval-prompts", scale=1)
+            seeds = gr.Number(value=4, label="Seeds per prompt", elem_id="eval-seeds", scale=1)
             start_btn = gr.Button("Evaluate", variant="primary", elem_id="eval-start", scale=1)
             cancel_btn = gr.Button("Cancel evaluation", elem_id="eval-cancel", scale=1)
         status = gr.Markdown(EMPTY, elem_id="eval-status")

@@ -154,7 +154,7 @@ def _widget(f: FormField) -> gr.components.Component:
     if f.kind == "bool":
         return gr.Checkbox(value=f.default, **common)
     if f.kind == "int":
-        return gr.Number(value=f.default, precision=0, **common)
+        return gr.Number(value=f.default, **common)  # no precision=0: it rounds 2.5 to 2 before validation sees it
     if f.kind == "float":
         return gr.Number(value=f.default, **common)
     if f.kind == "choice":
@@ -209,8 +209,10 @@ def build() -> dict:
             start_btn = gr.Button("Start run", variant="primary", elem_id="start-run")
             study_strats = gr.CheckboxGroup(choices=[c for c in fields[0].choices], value=STUDY_DEFAULT,
                                             label="Study: strategies", elem_id="study-strategies")
-            study_seeds = gr.Number(value=1, precision=0, minimum=1, maximum=MAX_STUDY_SEEDS,
-                                    label="Study: seeds per strategy", elem_id="study-seeds")
+            # no precision/minimum/maximum: Gradio would round 2.5 silently or answer 0 with an unnamed toast;
+            # start_study names the field and the rule
+            study_seeds = gr.Number(value=1, label=f"Study: seeds per strategy (1 to {MAX_STUDY_SEEDS})",
+                                    elem_id="study-seeds")
             study_btn = gr.Button("Start study", elem_id="start-study")
         status = gr.Markdown(elem_id="start-status")
 

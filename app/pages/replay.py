@@ -28,7 +28,7 @@ def render(run_id, rho: float, harmonize_every: float | None, normalize: bool, a
            groups: str | None = "{}", weights: str | None = "{}"):
     if run_id is None:
         return plots.empty_figure("Replay", EMPTY), ""
-    if harmonize_every is None or harmonize_every != int(harmonize_every):
+    if harmonize_every is None or harmonize_every != int(harmonize_every) or harmonize_every < 1:
         msg = f"N={harmonize_every}: write a whole number of steps ≥ 1"
         return plots.empty_figure("Replay", msg), f"`{msg}`"
     try:
@@ -67,7 +67,7 @@ def build() -> dict:
         rho = gr.Slider(0, 0.95, value=0.7, step=0.05, label="ρ (EMA)", elem_id="replay-rho",
                         info="ᾱ ← ρ·ᾱ + (1−ρ)·α*: how much of the past ᾱ each solve keeps (0: use each solve's α* "
                              "as is; near 1: ᾱ moves slowly)")
-        every = gr.Number(value=10, precision=0, label="N (solve every N steps)", elem_id="replay-n")
+        every = gr.Number(value=10, label="N (solve every N steps)", elem_id="replay-n")
         normalize = gr.Checkbox(value=True, label="Normalize gradients", elem_id="replay-normalize")
     with gr.Row():  # the release's optional knobs (config/base.py pareto.*), off by default
         floor = gr.Number(value=0.0, label="α floor", elem_id="replay-floor")

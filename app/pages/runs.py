@@ -230,7 +230,7 @@ def build(timer: gr.Timer, new_run: dict, tabs: gr.Tabs, new_tab_id: str) -> dic
         cancel_btn = gr.Button("Cancel", elem_id="run-cancel", variant="stop", scale=1,
                                interactive=False)
         resume_btn = gr.Button("Resume", elem_id="run-resume", scale=1)
-        resume_to = gr.Number(value=0, precision=0, label="Resume up to step (0: as configured)",
+        resume_to = gr.Number(value=0, label="Resume up to step (0: as configured)",
                               elem_id="run-resume-steps", scale=1)
         dup_btn = gr.Button("Duplicate with changes", elem_id="run-duplicate", scale=1)
         delete_btn = gr.Button("Delete", elem_id="run-delete", scale=1)
