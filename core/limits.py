@@ -47,6 +47,23 @@ MAX_PROMPT_FILE_BYTES = 64 * 1024 * 1024
 MAX_RUN_NAME_CHARS = 200
 """The runs table's name column (jobs/schema.py: String(200))."""
 
+
+def check_name(field: str, name: str, what: str = "a run name") -> None:
+    """A name the pages and ``jobs list`` show: at most MAX_RUN_NAME_CHARS characters on one line, without the
+    characters a page would read as markup. Raises ValueError naming the field, the value and the rule."""
+    import unicodedata
+
+    if len(name) > MAX_RUN_NAME_CHARS:
+        raise ValueError(f"{field}={name[:40]!r}... ({len(name)} characters): {what} is at most "
+                         f"{MAX_RUN_NAME_CHARS} characters")
+    control = next((ch for ch in name if unicodedata.category(ch) in ("Cc", "Zl", "Zp")), None)
+    if control is not None:
+        raise ValueError(f"{field}={name[:60]!r}: {what} is one line of text; it contains {control!r} (no newlines, "
+                         f"tabs or other control characters)")
+    if "<" in name or ">" in name:
+        raise ValueError(f"{field}={name[:60]!r}: {what} may not contain '<' or '>' (pages show names as text, "
+                         f"and these would be read as HTML)")
+
 GiB = 1024**3
 
 

@@ -59,6 +59,9 @@ def start_comparison(store: Store, name: str, entries: list[dict], prompts: list
     "run_id" (or None), "rewards": [reward configs], optional "weights": "ema" (default: the checkpoint's
     parameter EMA) or "raw"}``. Returns the comparison id; its job is ``get_comparison(id)["job_id"]``
     (start a worker, e.g. ``jobs.runner.ensure_worker``, for it to run)."""
+    from core.limits import check_name
+
+    check_name("name", name, "a comparison name")
     validate_request(entries, prompts, seeds, num_steps, guidance_scale)
     settings = {"entries": entries, "prompts": prompts, "seeds": seeds, "num_steps": int(num_steps),
                 "guidance_scale": float(guidance_scale)}

@@ -200,6 +200,10 @@ def record_evaluations(store: Store, run_id: int, folder: Path) -> tuple[int, li
 def import_run(store: Store, folder: str | Path, name: str | None = None) -> tuple[int, bool, int]:
     """Import a core.train run folder; returns (run id, created, evaluations recorded). ImportRefused (a
     ValueError) names the folder and the rule it breaks."""
+    from core.limits import check_name
+
+    if name is not None:
+        check_name("--name", name)
     given = Path(folder).expanduser()
     if not given.exists():
         raise _refuse(given, "no such folder")

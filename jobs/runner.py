@@ -93,12 +93,11 @@ def submit(store: Store, config: Any, *, preset: str | None = None, name: str | 
     for field_name, value in (("num_processes", num_processes), ("num_nodes", num_nodes)):
         if not (isinstance(value, int) and value >= 1):
             raise ValueError(f"{field_name}={value!r}: must be an integer >= 1")
-    from core.limits import MAX_RUN_NAME_CHARS
+    from core.limits import check_name
     from core.preflight import check_run
 
-    if name is not None and len(name) > MAX_RUN_NAME_CHARS:
-        raise ValueError(f"name={name[:40]!r}... ({len(name)} characters): a run name is at most "
-                         f"{MAX_RUN_NAME_CHARS} characters")
+    if name is not None:
+        check_name("name", name)
     check_run(config, world_size=num_processes * num_nodes)  # memory, rewards vs prompts, reward servers
     run_id = store.create_run(config.to_dict(), strategy=config.balance.strategy, total_steps=config.steps,
                               preset=preset, name=name, code_version=code_version(), num_processes=num_processes,

@@ -255,3 +255,25 @@ def test_replay_refuses_a_solve_interval_that_is_not_a_whole_number_of_steps(web
     run_id = web_store.create_run(preset("tiny").to_dict(), strategy="marble", total_steps=3)
     _, note = render(run_id, 0.7, n, True)
     assert note == f"`N={n}: write a whole number of steps ≥ 1`"
+
+
+@pytest.mark.parametrize("name, rule", [
+    ("x" * 201, "(201 characters): a run name is at most 200 characters"),
+    ("<b>bold</b>\nsecond line", "a run name is one line of text; it contains '\\n'"),
+    ("tab\there", "it contains '\\t'"),
+    ("<b>bold</b>", "may not contain '<' or '>'"),
+])
+def test_a_run_name_is_one_line_of_plain_text(web_store, name, rule):
+    """New-user pass: a name with a newline and HTML was queued, split the Dashboard title in two and rendered
+    bold; the queue refuses it by name, for the form, the CLI and imports alike (core.limits.check_name)."""
+    from app.pages.new_run import start
+    from core.limits import check_name
+
+    cfg = preset("tiny")
+    fields = form_fields(cfg)
+    error, status = start("tiny", name, cfg.reward_names, "", "", None, list(cfg.prompts.sources), fields,
+                          [f.default for f in fields])
+    assert error.startswith("**Not started.**") and rule in error and status == "" and web_store.list_runs() == []
+    with pytest.raises(ValueError, match="--name="):
+        check_name("--name", name)
+    check_name("name", "marble · seed 3 (ρ=0.7, lr 3e-4) — ünïcode")  # plain text of any script passes
