@@ -37,6 +37,11 @@ LORA_TARGETS_SD3 = (
 )
 
 
+MAX_LR = 1.0
+"""The largest learning rate a config accepts: far above any LoRA recipe (1e-4 to 1e-3), below what diverges on
+the first step (lr 1e9 turned the weights to NaN, which surfaced only as a reward's 'images contain NaN')."""
+
+
 class ConfigError(ValueError):
     """A configuration value breaks a rule. The message names field, value and valid choices."""
 
@@ -397,7 +402,8 @@ class OptimConfig:
     0 disables the EMA."""
 
     def validate(self, prefix: str = "optim") -> None:
-        _require(_is_number(self.lr) and self.lr > 0, f"{prefix}.lr", self.lr, "must be a number > 0")
+        _require(_is_number(self.lr) and 0 < self.lr <= MAX_LR, f"{prefix}.lr", self.lr,
+                 f"must be a number in (0, {MAX_LR:g}] (LoRA fine-tuning uses about 1e-4 to 1e-3; the paper 3e-4)")
         for name in ("beta1", "beta2"):
             v = getattr(self, name)
             _require(_is_number(v) and 0 <= v < 1, f"{prefix}.{name}", v, "must be a number in [0, 1)")

@@ -538,6 +538,11 @@ class Trainer:
         max_norm = clip if clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         self.optimizer.step()
+        if not bool(torch.stack([torch.isfinite(p).all() for p in self.params]).all()):  # one sync, not one a tensor
+            raise FloatingPointError(
+                f"training diverged at step {step + 1}: the LoRA weights are no longer finite after the optimizer "
+                f"step (optim.lr={self.config.optim.lr}, optim.grad_clip={clip}, gradient norm {grad_norm:.3g}); "
+                f"lower optim.lr or set optim.grad_clip")
         self.optimizer.zero_grad(set_to_none=True)
         nft = self.config.nft
         self.policy.soft_update_old(min(nft.old_decay_rate * step, nft.old_decay_max))

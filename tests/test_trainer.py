@@ -431,3 +431,24 @@ def test_a_checkpoint_from_before_the_new_fields_and_the_parameter_ema_resumes(t
     assert resumed.step == 1
     assert all(torch.equal(resumed.ema[n], p) for n, p in resumed.policy.named_trainable.items())
     assert any(e.kind == "notice" and "holds no parameter EMA" in e.message for e in events)
+
+
+def test_a_diverging_step_stops_the_run_and_names_the_learning_rate(tmp_path, monkeypatch):
+    """lr 1e9 turned the LoRA weights to NaN, and the run failed one step later on a reward's 'images contain NaN'
+    with no word of optim.lr (new-user pass). The config now caps lr, and a step that leaves non-finite weights
+    stops the run there, naming the learning rate and the clip."""
+    from core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"optim.lr=1000000000.0: must be a number in \(0, 1\]"):
+        small_config("marble", **{"optim.lr": 1e9})
+    trainer = Trainer(small_config("marble", steps=2), tmp_path)
+    step = trainer.optimizer.step
+
+    def poisoned():  # what an overflowing update does to the weights
+        step()
+        with torch.no_grad():
+            trainer.params[0].fill_(float("nan"))
+
+    monkeypatch.setattr(trainer.optimizer, "step", poisoned)
+    with pytest.raises(FloatingPointError, match=r"training diverged at step 1: .*optim.lr=0\.\d+.*lower optim.lr"):
+        trainer.run()
