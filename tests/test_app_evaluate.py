@@ -67,6 +67,10 @@ def test_evaluate_queues_a_job_and_the_panel_follows_it_to_the_scores(store):
     assert "<td>colorfulness</td><td>✓</td><td>0.5000</td><td>0.6200</td><td class='eval-up'>+1.20 ± 0.50</td>" in table
     assert "<td>sharpness</td><td></td>" in table and "-0.50 ± 0.50" in table
     assert "step <b>2</b>" in table and "composite over the training rewards <b>+1.20</b>" in table
+    # the composite carries the bound its parts give (only colorfulness is trained on here) ...
+    assert "<b>+1.20</b> (standard error at most 0.50, the sum of its parts'" in table
+    # ... and the prompts are counted from the images: 8 images / 4 seeds = 2 prompts, whatever was asked
+    assert "(2 prompts × 4 seeds; up to 2 per source asked)" in table
 
 
 def test_evaluate_refuses_bad_requests_naming_field_value_and_rule(store):
@@ -103,3 +107,15 @@ def test_the_runs_page_cancels_an_evaluate_job_in_its_own_words(store):
     said = act("cancel", job)
     assert said.startswith(f"Job #{job}: stop requested") and "checkpoint" not in said
     assert store.get_run(job).cancel_requested and store.status(job) == s.RUNNING  # the job stops itself
+
+
+def test_a_source_with_fewer_prompts_than_asked_is_not_overstated():
+    """New-user pass: the tiny source has 7 held-out prompts; asked for 16 per source, the table said
+    "(16 per source × 4 seeds)" over 28 images."""
+    from app.pages.evaluate import scores_table
+
+    details = {**RESULT, "images": 28, "settings": {"split": "test", "prompts_per_source": 16, "seeds_per_prompt": 4},
+               "rewards": {n: {**r, "z_se": 0.27} for n, r in RESULT["rewards"].items()}}
+    table = scores_table({"checkpoint_step": 20, "details": details})
+    assert "28 images per model on the test prompts (7 prompts × 4 seeds; up to 16 per source asked)" in table
+    assert "16 per source ×" not in table

@@ -75,6 +75,26 @@ def cancel(run_id: Any) -> str:
             f"Evaluation job #{job.id}: stop requested; it stops after the model it is scoring.")
 
 
+def _prompt_count(images: Any, settings: dict) -> str:
+    """How many prompts the images came from: a source with fewer held-out prompts than asked gives all it has,
+    so "16 per source" would overstate a 7-prompt source."""
+    seeds, asked = settings.get("seeds_per_prompt"), settings.get("prompts_per_source")
+    if not (isinstance(images, int) and isinstance(seeds, int) and seeds > 0):
+        return f"{asked if asked is not None else '?'} prompts per source × {seeds if seeds is not None else '?'} seeds"
+    return f"{images // seeds} prompts × {seeds} seeds; up to {asked} per source asked"
+
+
+def _composite_text(comp: float | None, rewards: dict) -> str:
+    """The composite with the bound its parts give: the rewards are scored on the same images, so their errors
+    are not independent and √(Σ se²) would understate it; Σ se is an upper bound on its standard error."""
+    if comp is None:
+        return ""
+    ses = [r.get("z_se") for r in rewards.values() if r.get("trained_on") and r.get("z") is not None]
+    bound = (f" (standard error at most {sum(ses):.2f}, the sum of its parts': they share images)"
+             if ses and all(se is not None for se in ses) else "")
+    return f"; composite over the training rewards <b>{comp:+.2f}</b>{bound}"
+
+
 def scores_table(ev: dict) -> str:
     """The stored evaluation as an HTML table: reward, trained on, base mean, checkpoint mean, Δ / base σ ± SE."""
     d = ev["details"]
@@ -96,8 +116,7 @@ def scores_table(ev: dict) -> str:
     comp = d.get("composite_train")
     head = (f"<p>Checkpoint at step <b>{ev['checkpoint_step']}</b> ({escape(str(d.get('weights') or ''))} weights), "
             f"{d.get('images')} images per model on the {escape(str(settings.get('split', '?')))} prompts "
-            f"({settings.get('prompts_per_source', '?')} per source × {settings.get('seeds_per_prompt', '?')} seeds)"
-            + (f"; composite over the training rewards <b>{comp:+.2f}</b>" if comp is not None else "") + ".</p>")
+            f"({_prompt_count(d.get('images'), settings)})" + _composite_text(comp, d["rewards"]) + ".</p>")
     return (head + "<table class='eval-table'><thead><tr><th>reward</th><th>trained on</th><th>base</th>"
             "<th>checkpoint</th><th>Δ / base σ ± SE</th><th>n</th></tr></thead><tbody>" + "".join(rows)
             + f"</tbody></table><p class='help-line'>{escape(HELP)}</p>")
