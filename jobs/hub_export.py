@@ -185,7 +185,7 @@ min-norm QP on the simplex, amortized between harmonized steps, EMA-smoothed coe
 
 - **rewards:** {{ rewards }}
 - **strategy:** `{{ strategy }}`
-- **checkpoint:** step {{ checkpoint_step }} of {{ total_steps }}{{ ema_line }}
+- **checkpoint:** step {{ checkpoint_step }} of {{ total_steps }}{{ ema_line }}{{ status_line }}
 - **license:** {{ license_line }}
 
 ## Use
@@ -225,7 +225,7 @@ def key_config(config) -> list[tuple[str, str]]:
     """The settings a reader of the card wants first."""
     b, m, smp, o = config.balance, config.model, config.sampling, config.optim
     rows = [("strategy", b.strategy), ("rewards (weight)", ", ".join(f"{r.name} ({r.weight:g})" for r in config.rewards)),
-            ("steps", config.steps), ("LoRA rank / alpha", f"{m.lora_rank} / {m.lora_alpha:g}"),
+            ("steps (configured)", config.steps), ("LoRA rank / alpha", f"{m.lora_rank} / {m.lora_alpha:g}"),
             ("LoRA targets", ", ".join(m.lora_targets)), ("learning rate", f"{o.lr:g}"),
             ("prompts × images per step", f"{smp.prompts_per_step} × {smp.images_per_prompt}"),
             ("sampler steps / guidance / resolution", f"{smp.num_steps} / {smp.guidance_scale:g} / {smp.resolution}"),
@@ -253,7 +253,8 @@ def build_card(store: Store, run_id: int, config, checkpoint: dict, folder: Path
                 "checkpoint_step": checkpoint["step"], "total_steps": config.steps, "seed": config.seed,
                 "lora_rank": config.model.lora_rank, "lora_alpha": config.model.lora_alpha,
                 "learning_rate": config.optim.lr, "harmonize_every": config.balance.harmonize_every,
-                "ema_rho": config.balance.ema_rho, "ema_lora": has_ema})
+                "ema_rho": config.balance.ema_rho, "ema_lora": has_ema, "run_status": run.status,
+                "run_step": run.step})
     evaluation = evaluation_markdown(store, run_id, run.run_dir, label)
     alpha = (f"![α trajectory]({ALPHA_IMAGE})\n\nα* is the min-norm QP's solution on harmonized steps, ᾱ its "
              f"exponential moving average (ρ = {config.balance.ema_rho:g}), and the applied α the "
@@ -268,6 +269,9 @@ def build_card(store: Store, run_id: int, config, checkpoint: dict, folder: Path
         base_model=base, rewards=", ".join(f"`{n}`" for n in config.reward_names),
         strategy=config.balance.strategy, checkpoint_step=checkpoint["step"], total_steps=config.steps,
         ema_line=" (with the EMA of the LoRA's parameters in `ema/`)" if has_ema else "",
+        status_line=("" if run.status == "succeeded" else
+                     f"\n- **unfinished run:** it was {run.status} at step {run.step} of {config.steps}, so this "
+                     f"checkpoint is not the end of the training it was configured for"),
         license_line=f"`{license_id}`" if license_id else ("not set: choose one and add a `license:` line to the "
                                                      "metadata above before publishing"),
         load_line=(f"pipe = StableDiffusion3Pipeline.from_pretrained(\"{base}\", torch_dtype=torch."

@@ -98,6 +98,7 @@ def test_exported_folder_loads_with_plain_diffusers_and_the_card_parses_back(tra
     assert data["marble"]["strategy"] == "marble" and data["marble"]["checkpoint_step"] == 2
     assert data["marble"]["rewards"] == ["jpeg_compressibility", "colorfulness", "brightness"]
     assert data["marble"]["ema_lora"] is True
+    assert data["marble"]["run_status"] == "succeeded" and "unfinished run" not in card.text
     assert "| tiny/test | 2 | 0.5000 | 0.2500 |" in card.text  # the stored held-out evaluation
     assert "](alpha_trajectory.png)" in card.text and "](samples.png)" in card.text
     assert "| strategy | marble |" in card.text and str(store.home) not in card.text
@@ -232,3 +233,19 @@ def test_runs_page_export_button_writes_the_folder_and_says_why_it_did_not_push(
     assert f"`{folder}-2`" in second and "Not pushed to me/my-lora: HF_HUB_OFFLINE is set" in second
     assert ModelCard.load(folder / "README.md").data.library_name == "diffusers"
     assert export_for_hub(run_id + 99).startswith(f"Run #{run_id + 99}: ")
+
+
+def test_a_checkpoint_of_an_unfinished_run_says_so_on_its_card(trained, tmp_path, monkeypatch):
+    """New-user pass: a run cancelled at 16 of 20 steps exported with a card that read "steps | 20" and nothing
+    else; the card now says the run did not finish, and where it stopped."""
+    import dataclasses
+
+    store, run_id = trained
+    real = store.get_run
+    monkeypatch.setattr(store, "get_run", lambda rid: dataclasses.replace(real(rid), status="cancelled", step=2)
+                        if rid == run_id else real(rid))
+    done = export_hub(store, run_id, tmp_path / "unfinished", checkpoint_step=2)
+    card = ModelCard.load(done.folder / "README.md")
+    assert "**unfinished run:** it was cancelled at step 2 of 2" in card.text
+    assert card.data.to_dict()["marble"]["run_status"] == "cancelled"
+    assert "| steps (configured) | 2 |" in card.text
