@@ -84,6 +84,21 @@ def test_tags_notes_and_a_config_diff_on_the_runs_page(page, server, two_runs): 
         assert run.tags == ["baseline", "sweep"] and run.notes == "the reference for the rho sweep"
 
 
+def test_duplicate_fills_the_form_and_the_preset_note_follows(page, two_runs):  # noqa: F811
+    """New-user pass: Duplicate set the preset to tiny, but the note under it still described mini-marble."""
+    tab(page, "New run")
+    page.locator("#preset input").fill("mini-marble")
+    page.locator("#preset input").press("Enter")
+    page.locator("#preset-note").get_by_text("mini-world").first.wait_for(timeout=20_000)
+    tab(page, "Runs")
+    pick(page, "runs-pick", "run a")
+    page.keyboard.press("Escape")
+    page.locator("#run-duplicate").click()
+    page.locator("#preset-note").get_by_text("coloured noise by design").wait_for(timeout=20_000)
+    assert page.locator("#preset input").input_value() == "tiny"
+    assert page.locator("#run-name textarea, #run-name input").first.input_value() == "run a (copy)"
+
+
 def test_the_dashboard_shows_one_prompt_across_sample_steps(page, two_runs):  # noqa: F811
     tab(page, "Dashboard")
     page.locator("#dash-reload").click()

@@ -83,7 +83,7 @@ def test_evaluate_refuses_bad_requests_naming_field_value_and_rule(store):
     said = queue(stopped)
     assert said.startswith("**Not queued.**") and f"run #{stopped} is cancelled at step 5/5" in said
     assert "only a finished (succeeded) run can be evaluated" in said
-    assert "needs a finished run" in panel(stopped)[0]
+    assert panel(stopped)[0].startswith(f"Run #{stopped} was **cancelled**: a held-out evaluation needs a finished run")
     assert "`checkpoint step=7: run" in queue(run_id, 7) and "(its checkpoints: 1, 2)" in queue(run_id, 7)
     assert "`prompts per source=0: must be a whole number in [1, 10000]`" in queue(run_id, None, 0, 4)
     assert "`seeds per prompt=1.5: must be a whole number" in queue(run_id, None, 2, 1.5)

@@ -277,3 +277,16 @@ def test_a_run_name_is_one_line_of_plain_text(web_store, name, rule):
     with pytest.raises(ValueError, match="--name="):
         check_name("--name", name)
     check_name("name", "marble · seed 3 (ρ=0.7, lr 3e-4) — ünïcode")  # plain text of any script passes
+
+
+def test_run_pickers_name_runs_by_what_does_not_change_while_they_train(web_store):
+    """New-user pass: the Dashboard picker read "queued 0/20" after the run had finished (pickers fill on Reload)."""
+    from app.context import job_choices, run_choices
+    from jobs import schema as sch
+
+    named = web_store.create_run(preset("tiny").to_dict(), strategy="marble", total_steps=20, name="sweep a")
+    plain = web_store.create_run(preset("tiny").to_dict(), strategy="equal", total_steps=20)
+    web_store.claim(named)
+    web_store.finish(named, sch.SUCCEEDED)
+    assert run_choices() == [(f"#{plain} equal", plain), (f"#{named} sweep a (marble)", named)]
+    assert job_choices() == run_choices()

@@ -74,7 +74,7 @@ def test_the_overlay_follows_new_steps_and_leaves_out_a_deleted_run(store):
 
 
 def test_runs_with_different_rewards_get_a_panel_per_reward_and_one_picked_run_asks_for_more(store):
-    from app.pages.overlay import HINT, on_pick
+    from app.pages.overlay import HINT, ONE_RUN, on_pick
 
     a, _ = make_run(store, "three", 2)
     b, _ = make_run(store, "two", 2, rewards=["colorfulness", "sharpness"])
@@ -83,7 +83,9 @@ def test_runs_with_different_rewards_get_a_panel_per_reward_and_one_picked_run_a
     assert titles == [*REWARDS, "sharpness"]
     uniform = sorted(x.text for x in alpha.layout.annotations if x.text.startswith("1/K"))
     assert uniform == ["1/K = 0.333", "1/K = 0.5"]
-    assert on_pick(None, [a], 0.6)[3] == HINT
+    _, one, _, note = on_pick(None, [a], 0.6)
+    assert note == ONE_RUN and "1 run (colour" in one.layout.title.text  # not "1 runs", not "pick two" over a drawn run
+    assert on_pick(None, [], 0.6)[3] == HINT
     assert "Pick two or more runs" in on_pick(None, [], 0.6)[1].layout.annotations[0].text
 
 

@@ -145,8 +145,11 @@ def panel(run_id: int | None) -> tuple[str, str, tuple]:
         status = (f"Evaluation job **#{job.id}** is **{job.status}** ({job.step}/{job.total_steps}: {what}). "
                   f"The table updates when it is done.")
     elif run.status != s.SUCCEEDED:
-        status = (f"Run #{run.id} is **{run.status}** at step {run.step}/{run.total_steps}: a held-out evaluation "
-                  f"needs a finished run (its scores would read as a finished run's).")
+        # no step count here: this text is refreshed only when the run's status changes (the header has the step)
+        said = {"queued": "is **queued**", "running": "is still **running**", "failed": "**failed**"}.get(
+            run.status, f"was **{run.status}**")
+        status = (f"Run #{run.id} {said}: a held-out evaluation needs a finished run (its scores would read as a "
+                  f"finished run's).")
     elif last is not None and last.status in (s.FAILED, s.INTERRUPTED, s.CANCELLED) and (
             ev is None or (ev["details"] or {}).get("job_id") != last.id):
         why = f": `{last.error.strip().splitlines()[-1]}`" if last.error else ""

@@ -218,7 +218,7 @@ def build() -> dict:
 
     extras = [reward_box, weights_box, stages_box, single_box, source_box]
     preset_box.input(lambda p: preset_values(p, fields), preset_box, widgets + extras)
-    preset_box.input(preset_note, preset_box, note_box)
+    preset_box.change(preset_note, preset_box, note_box)  # also when Duplicate sets the preset
     started = start_btn.click(
         lambda p, n, r, w, st, si, so, *vals: start(p, n, r, w, st, si, so, fields, list(vals)),
         [preset_box, name_box, *extras, *widgets], [error, status])

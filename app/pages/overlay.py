@@ -16,6 +16,7 @@ from jobs.storage import RunNotFound
 
 MAX_RUNS = 8  # beyond, dashes and markers repeat and the legend stops helping
 HINT = "Pick two or more runs: their curves are drawn on one chart per reward."
+ONE_RUN = "One run is drawn: pick another to overlay it on the same charts."
 
 
 @dataclass
@@ -60,7 +61,8 @@ def render(state: OverlayState, smoothing: float) -> tuple[Any, Any]:
 
 def on_pick(state: OverlayState | None, run_ids: list[Any] | None, smoothing: float) -> tuple[Any, ...]:
     state, note = pick(state, run_ids)
-    return (state, *render(state, smoothing), note or (HINT if len(state.run_ids) < 2 else ""))
+    hint = HINT if not state.run_ids else ONE_RUN if len(state.run_ids) == 1 else ""
+    return (state, *render(state, smoothing), note or hint)
 
 
 def tick(state: OverlayState | None, smoothing: float) -> tuple[Any, ...]:
