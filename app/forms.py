@@ -49,8 +49,27 @@ def _field_docs() -> dict[tuple[str, str], str]:
         for a, b in zip(body, body[1:]):
             if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
                     and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
-                docs[(node.name, a.target.id)] = " ".join(b.value.value.replace("``", "").split())
+                docs[(node.name, a.target.id)] = md_literal(" ".join(b.value.value.replace("``", "").split()))
     return docs
+
+
+def md_literal(text: str) -> str:
+    """``text`` for Gradio's ``info`` lines, which read ``*`` and ``_`` pairs as emphasis and honour neither
+    backslash escapes nor HTML entities ("ᾱ_t = ρ·ᾱ_{t-1}" and "α* ... α*" came out italic): a word that holds a
+    ``*``, or a ``_`` that is not between two ASCII letters or digits ("Σ_k", unlike "marble_full", which renders
+    as it is), becomes a `code span`, the one construct those lines keep literal."""
+    import re
+
+    def word(m: re.Match) -> str:
+        token = m.group(0)
+        core = token.rstrip(",.;:")
+        if "*" not in core and not re.search(r"(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])", core):
+            return token
+        return f"`{core}`{token[len(core):]}"
+
+    parts = re.split(r"(`[^`]*`)", text)
+    return "".join(p if len(p) > 1 and p.startswith("`") and p.endswith("`") else re.sub(r"[^\s`]*[_*][^\s`]*", word, p)
+                   for p in parts)
 
 
 def exposed() -> bool:

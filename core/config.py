@@ -267,7 +267,7 @@ class BalanceConfig:
     warmup_steps: int = 1
     """The first steps, each a harmonized step that harmonizes every unit (as the authors' code does)."""
     ema_rho: float = 0.7
-    """ρ in ᾱ_t = ρ·ᾱ_{t-1} + (1-ρ)·α*_t; 0 disables the EMA."""
+    """ρ in ᾱ(t) = ρ·ᾱ(t−1) + (1−ρ)·α∗(t); 0 disables the EMA."""
     normalize: bool = True
     """Normalize the per-reward gradients before the QP (the method fails without it; kept for ablation)."""
     harmonize_scope: str = "first_microbatch"  # ``refresh_scope`` before 2026-12

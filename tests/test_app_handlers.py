@@ -290,3 +290,17 @@ def test_run_pickers_name_runs_by_what_does_not_change_while_they_train(web_stor
     web_store.finish(named, sch.SUCCEEDED)
     assert run_choices() == [(f"#{plain} equal", plain), (f"#{named} sweep a (marble)", named)]
     assert job_choices() == run_choices()
+
+
+def test_help_text_keeps_its_formula_symbols_when_rendered_as_markdown():
+    """New-user pass: "ᾱ_t = ρ·ᾱ_{t-1}" lost its underscores to italics and "α* ... α*" italicised the text between
+    (Gradio's info lines read * and _ pairs as emphasis and honour neither backslash escapes nor entities)."""
+    import re
+
+    from app.forms import md_literal
+
+    assert md_literal("ᾱ_t = ρ·ᾱ_{t-1}; α* as is, α*.") == "`ᾱ_t` = `ρ·ᾱ_{t-1}`; `α*` as is, `α*`."
+    assert md_literal("marble_full, weighted_sum and `a_b*c`") == "marble_full, weighted_sum and `a_b*c`"
+    for f in form_fields(preset("tiny")):  # outside code spans nothing is left that could open emphasis
+        plain = re.sub(r"`[^`]*`", "", f.help or "")
+        assert "*" not in plain and not re.search(r"(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])", plain), (f.path, f.help)
