@@ -304,3 +304,14 @@ def test_help_text_keeps_its_formula_symbols_when_rendered_as_markdown():
     for f in form_fields(preset("tiny")):  # outside code spans nothing is left that could open emphasis
         plain = re.sub(r"`[^`]*`", "", f.help or "")
         assert "*" not in plain and not re.search(r"(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])", plain), (f.path, f.help)
+
+
+def test_the_new_run_form_says_what_every_reward_measures():
+    """New-user pass: bare reward names and values with no meaning or units; Reward.description was never shown."""
+    from app.pages.new_run import reward_glossary
+    from core.rewards import available_rewards
+
+    table = reward_glossary()
+    for name, description in available_rewards().items():
+        assert f"<td><code>{name}</code></td>" in table
+    assert "minus the image&#x27;s JPEG size in kB" in table  # what jpeg_compressibility -4.24 means

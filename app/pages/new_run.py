@@ -137,6 +137,17 @@ def reward_choices(names: list[str], unusable: dict[str, str]) -> list[tuple[str
              f"{n} — needs a server" if n in unusable else n, n) for n in names]
 
 
+def reward_glossary() -> str:
+    """Every reward's one-line description (``Reward.description``, written for this) as a table: the names alone
+    (gray_entropy, palette_purity) and their raw values (jpeg_compressibility −4.24) say little to a newcomer."""
+    from html import escape
+
+    rows = "".join(f"<tr><td><code>{escape(n)}</code></td><td>{escape(d)}</td></tr>"
+                   for n, d in available_rewards().items())
+    return f"<table class='reward-glossary'><thead><tr><th>reward</th><th>what it scores, and its range</th></tr>" \
+           f"</thead><tbody>{rows}</tbody></table>"
+
+
 def unusable_note(unusable: dict[str, str]) -> str:
     lines = "\n".join(f"- **{n}** {why}" for n, why in unusable.items())
     return f"<details><summary>Not usable here: {', '.join(unusable)}</summary>\n\n{lines}\n\n</details>"
@@ -187,6 +198,8 @@ def build() -> dict:
                                           label="Prompt sources", elem_id="sources")
         if unusable:
             gr.Markdown(unusable_note(unusable), elem_id="rewards-unusable")
+        with gr.Accordion("What each reward measures", open=False, elem_id="reward-glossary"):
+            gr.Markdown(reward_glossary(), elem_id="reward-glossary-table")
         with gr.Row():
             weights_box = gr.Textbox(label="Reward weights (weighted_sum only)", placeholder="colorfulness=2, "
                                      "brightness=0.5", elem_id="weights")
