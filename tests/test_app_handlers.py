@@ -315,3 +315,13 @@ def test_the_new_run_form_says_what_every_reward_measures():
     for name, description in available_rewards().items():
         assert f"<td><code>{name}</code></td>" in table
     assert "minus the image&#x27;s JPEG size in kB" in table  # what jpeg_compressibility -4.24 means
+
+
+def test_small_axis_values_are_written_as_powers_of_ten_not_si_prefixes():
+    """New-user pass: the Conflicts panel's 'variance over rewards' axis read "20p ... 80p" (pico)."""
+    k = len(NAMES)
+    rows = [balance_row(step, np.eye(k).tolist(), [1.0] * k, [1 / k] * k, [1 / k] * k, [0.5 + 1e-11 * step] * k)
+            for step in (1, 2)]
+    fig = plots.conflict_panels(rows, NAMES)
+    full = fig.layout.template.layout
+    assert full.xaxis.exponentformat == "power" and full.yaxis.exponentformat == "power"
