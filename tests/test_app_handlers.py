@@ -325,3 +325,18 @@ def test_small_axis_values_are_written_as_powers_of_ten_not_si_prefixes():
     fig = plots.conflict_panels(rows, NAMES)
     full = fig.layout.template.layout
     assert full.xaxis.exponentformat == "power" and full.yaxis.exponentformat == "power"
+
+
+def test_the_run_header_says_when_a_run_is_starting_or_finishing(web_store):
+    """New-user pass: "step 0/20 (0%)" with nothing else for 40 s at the start, "ETA 0m00s" for 30 s at the end."""
+    from app.pages.dashboard import header
+    from jobs.storage import Batch
+
+    run_id = web_store.create_run(preset("tiny").to_dict(), strategy="marble", total_steps=2, name="h")
+    web_store.claim(run_id)
+    assert "starting: loading the model" in header(run_id)
+    web_store.write_batch(run_id, Batch(run={"step": 1, "seconds_per_step": 4.0}))
+    assert "ETA 0m04s" in header(run_id)  # one step left at 4 s a step
+    web_store.write_batch(run_id, Batch(run={"step": 2, "seconds_per_step": 4.0}))
+    text = header(run_id)
+    assert "finishing: writing the last checkpoint" in text and "ETA" not in text

@@ -121,6 +121,10 @@ def header(run_id: int) -> str:
     r = context.store().get_run(run_id)
     pct = 100 * r.progress
     eta = f" · ETA {context.fmt_seconds(r.eta_seconds)}" if r.eta_seconds is not None else ""
+    if r.status == "running" and r.step == 0:  # no step timed yet: say what it is doing, not "0%" and nothing
+        eta = " · starting: loading the model and sampling the first step's images"
+    elif r.status == "running" and r.total_steps and r.step >= r.total_steps:  # not "ETA 0m00s" for half a minute
+        eta = " · finishing: writing the last checkpoint and samples"
     tags = f" · tags: {', '.join(r.tags)}" if r.tags else ""
     err = f"\n\n{error_html(r.error)}" if r.error else ""
     bar = (f"<div class='progress-outer'><div class='progress-inner' style='width:{pct:.1f}%'></div></div>")
