@@ -225,7 +225,7 @@ def test_every_preset_note_names_its_model_and_the_studied_worlds_give_a_measure
     for name in available_presets():
         note = preset_note(name)
         assert note.startswith(available_presets()[name]) and "**Model:**" in note and "**Expected duration:**" in note
-        if name.startswith(("mini-", "object-")):
+        if name.startswith(("mini-", "object-", "object150-")):
             assert "mini-world" in note and "minutes on 2 CPU cores" in note and "measured" in note
     assert preset_note("no-such-preset") == "" and preset_note(None) == ""
 

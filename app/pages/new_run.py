@@ -95,8 +95,10 @@ MINI_WORLD_MODEL = "the pretrained **mini-world** SD3 (1.6 M parameters, 64 px s
 PRESET_MODELS = {
     "mini": (MINI_WORLD_MODEL,
              "about 9 minutes on 2 CPU cores (mini-marble measured 8 min 51 s; the baselines train the same budget)"),
-    "object150": (MINI_WORLD_MODEL, "not measured yet: 150 of the object presets' 200 steps, so about three "
-                                    "quarters of their 14 minutes on 2 CPU cores"),
+    "object150": (MINI_WORLD_MODEL,
+                  "about 7 to 9 minutes on 2 CPU cores (measured with a second run beside it, seed 5 of its study: "
+                  "object150-marble 7 min 26 s, the three baselines 7 to 7 1/2 min, object150-marble-full 9 min; up "
+                  "to 16 min while other jobs shared the cores)"),
     "object": (MINI_WORLD_MODEL,
                "about 14 minutes on 2 CPU cores (measured with a second run beside it: object-marble 13 min 30 s, "
                "the weighted sum, equal and sequential baselines 13 to 14 1/2 min, object-marble-full 15 min 42 s)"),
