@@ -32,6 +32,12 @@ def test_the_new_run_form_says_what_the_tiny_preset_is(page):  # noqa: F811
     page.locator("#preset-note").get_by_text("coloured noise by design").wait_for(timeout=20_000)
     note = page.locator("#preset-note").inner_text()
     assert "coloured noise by design" in note and "Expected duration" in note and "20 steps" in note
+    # every field keeps a readable width: the normalize checkbox shrank to "norm" in a row of nine (new-user pass)
+    page.locator("#field-balance-normalize").scroll_into_view_if_needed()
+    assert page.locator("#field-balance-normalize").bounding_box()["width"] >= 200
+    # and what each reward measures is one click away
+    page.locator("#reward-glossary").get_by_text("What each reward measures").click()
+    page.locator("#reward-glossary-table").get_by_text("minus the image's JPEG size in kB").wait_for(timeout=10_000)
 
 
 def test_two_runs_overlaid_on_one_chart_with_a_legend_naming_run_and_reward(page, two_runs):  # noqa: F811
