@@ -197,8 +197,8 @@ PRESETS: dict[str, tuple[str, Any]] = {
                     "66 steps per specialist, then 68 on the three general rewards"),
     **_study_family("object150", lambda strategy="marble", **b: object_world(strategy, OBJECT_SHORT_STEPS, **b),
                     lambda: _object_sequential(OBJECT_SHORT_STEPS),
-                    "object-marble stopped at step 150, the budget fixed before its study (seeds 4-7) from the "
-                    "200-step study's checkpoint curve, where later steps lost the balancing strategies' gains.",
+                    "object-marble with 150 steps instead of 200: in the 200-step runs the last 50 steps lost part "
+                    "of the balancing strategies' gains (its 20-run study: docs/study-object150).",
                     "50 steps per specialist, then 50 on the three general rewards"),
     "tiny": ("Tiny random-weight SD3, three weight-free rewards, MARBLE (N=10, ρ=0.7). Seconds per step.",
              _preset_tiny),

@@ -70,7 +70,7 @@ def test_the_tick_sends_the_grid_once_per_state(store):
     out = poll(cid, out[2], 0, 1)
     assert out[2] == ["0: a red circle (seed 0)", "1: a blue square (seed 0)"]
     assert out[4] == ("/grids/live/p0_c0.png", "/grids/live/p0_c1.png")
-    assert out[7]["choices"] == [(f"#{cid} live · succeeded", cid)]  # the saved list shows it done
+    assert out[7]["choices"] == [(f"comparison {cid}: live · succeeded", cid)]  # the saved list shows it done
     assert poll(cid, out[2], 0, 1) == (skip, skip, out[2], skip, skip, skip, skip, skip)
     failing = store.add_comparison("bad", [], result={"status": "failed", "error": "boom"})
     out = poll(failing, [], 0, 1)
@@ -91,7 +91,7 @@ def test_a_comparison_without_a_name_is_named_after_its_columns(store, monkeypat
     md, saved = start("", entries, "a red circle", "0", 4, 1.0)
     cid = saved["value"]
     assert md.startswith(f"Comparison **#{cid}**")
-    assert saved_choices()[0] == (f"#{cid} base tiny vs #3 marble · step 2 · queued", cid)
+    assert saved_choices()[0] == (f"comparison {cid}: base tiny vs #3 marble · step 2 · queued", cid)
     # its compare job is a row of the runs table, but not a run with checkpoints to pick
     from app.pages.compare import entry_choices
     from jobs import schema as s

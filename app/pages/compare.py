@@ -41,7 +41,9 @@ def saved_choices() -> list[tuple[str, int]]:
     from jobs.compare import status_of
 
     store = context.store()
-    return [(f"#{c['id']} {c['name']} · {status_of(store, c)[0]}", c["id"]) for c in reversed(store.comparisons())]
+    # "comparison N:" and not "#N": a default name starts with a run's "#id", which read as "#1 #1 newuser tiny"
+    return [(f"comparison {c['id']}: {c['name']} · {status_of(store, c)[0]}", c["id"])
+            for c in reversed(store.comparisons())]
 
 
 def start(name: str, picked: list[str], prompts_text: str, seeds_text: str, steps: float,
