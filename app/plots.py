@@ -81,7 +81,36 @@ def _layout(fig: go.Figure, title: str, revision: Any = "keep", height: int = 36
     fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=15)), height=height, template=TEMPLATE,
                       margin=dict(l=50, r=20, t=50, b=40), uirevision=revision,
                       legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
+    if _few_whole_xs(fig):  # early in a run plotly ticked steps 1.5, 2.5: there are no half steps
+        fig.update_xaxes(dtick=1)
     return fig
+
+
+def _few_whole_xs(fig: go.Figure, most: int = 10) -> bool:
+    """True when every trace's x values are whole numbers spanning fewer than ``most`` units (a run's first
+    steps), so the x axes can tick every unit; False for categories, fractions or a wider span."""
+    lo, hi, seen = math.inf, -math.inf, False
+    for trace in fig.data:
+        xs = getattr(trace, "x", None)
+        if xs is None:
+            continue
+        for v in xs:
+            if v is None or isinstance(v, (str, bool)):
+                if isinstance(v, (str, bool)):
+                    return False
+                continue
+            try:
+                f = float(v)
+            except (TypeError, ValueError):
+                return False
+            if math.isnan(f):
+                continue
+            if not f.is_integer():
+                return False
+            lo, hi, seen = min(lo, f), max(hi, f), True
+            if hi - lo >= most:  # a long run: stop at the first wide gap instead of reading every point
+                return False
+    return seen and hi - lo < most
 
 
 def subplot_grid(rows: int, cols: int, titles: Sequence[str], hspace: float = 0.06, vspace: float = 0.1,

@@ -340,3 +340,30 @@ def test_the_run_header_says_when_a_run_is_starting_or_finishing(web_store):
     web_store.write_batch(run_id, Batch(run={"step": 2, "seconds_per_step": 4.0}))
     text = header(run_id)
     assert "finishing: writing the last checkpoint" in text and "ETA" not in text
+
+
+def test_a_short_run_is_ticked_at_whole_steps():
+    """New-user pass: the α and conflict x-axes ticked 1.5, 2.5 early in a run."""
+    import plotly.graph_objects as go
+
+    from app.plots import _few_whole_xs, alpha_trajectories
+
+    rows = [balance_row(step, np.eye(3).tolist(), [1.0] * 3, [1 / 3] * 3, [1 / 3] * 3, [0.5] * 3) for step in (1, 2, 3)]
+    assert alpha_trajectories(rows, {}, NAMES).layout.xaxis.dtick == 1
+    assert _few_whole_xs(go.Figure(go.Scatter(x=[1, 2, 3], y=[0, 1, 0])))
+    assert not _few_whole_xs(go.Figure(go.Scatter(x=list(range(1, 200)), y=[0] * 199)))  # a long run: plotly's ticks
+    assert not _few_whole_xs(go.Figure(go.Scatter(x=[0.1, 0.5], y=[0, 1])))  # a reward on x (Pareto): not steps
+    assert not _few_whole_xs(go.Figure(go.Heatmap(z=[[1, 0], [0, 1]], x=["a", "b"], y=["a", "b"])))  # categories
+
+
+def test_the_cosine_slider_is_locked_until_a_second_step_is_diagnosed():
+    """New-user pass: with one diagnosed step the slider ran 1-2, offering a step that has no diagnosis."""
+    from app.pages.dashboard import DashState, cos_slider
+
+    state = DashState()
+    state.balance = [balance_row(1, np.eye(3).tolist(), [1.0] * 3, [1 / 3] * 3, [1 / 3] * 3, [0.5] * 3)]
+    one = cos_slider(state)
+    assert one["interactive"] is False and one["value"] == 1
+    state.balance.append(balance_row(3, np.eye(3).tolist(), [1.0] * 3, [1 / 3] * 3, [1 / 3] * 3, [0.5] * 3))
+    two = cos_slider(state)
+    assert two["interactive"] is True and (two["minimum"], two["maximum"], two["value"]) == (1, 3, 3)

@@ -154,10 +154,11 @@ def cos_slider(state: DashState) -> Any:
     """The slider in training steps, from the first diagnosed step to the newest (at the newest when following)."""
     rows = state.balance
     if not rows:
-        return gr.update(minimum=0, maximum=1, value=0)
+        return gr.update(minimum=0, maximum=1, value=0, interactive=False)
     lo, hi = rows[0]["step"], rows[-1]["step"]
     value = hi if state.cos_follow or state.cos_step is None else min(max(state.cos_step, lo), hi)
-    return gr.update(minimum=lo, maximum=max(hi, lo + 1), value=value)
+    # one diagnosed step: a slider needs two ends, so it shows lo..lo+1 but is locked (step lo+1 has no diagnosis)
+    return gr.update(minimum=lo, maximum=max(hi, lo + 1), value=value, interactive=hi > lo)
 
 
 def figures(state: DashState, smoothing: float) -> tuple[Any, ...]:
