@@ -342,8 +342,11 @@ def conflict_panels(balance_rows: Sequence[dict], reward_names: Sequence[str],
     for r, c in ((1, 1), (1, 2), (2, 1)):
         zero_line(fig, axes(r, c))
     rate = stats["conflict_rate"]
+    # the rate is against the update, not between rewards: a heatmap full of negative pairwise cosines can sit
+    # beside a 0% rate when the min-norm update still agrees with every reward
     title = ("Reward gradients vs the applied update — conflict rate "
-             f"{'n/a' if rate is None else f'{100 * rate:.0f}%'} of {len(xs)} diagnosed steps")
+             f"{'n/a' if rate is None else f'{100 * rate:.0f}%'} of {len(xs)} diagnosed steps "
+             "(a reward's gradient against it)")
     paper_rate = conflict_stats(rows, reward_names, "mean")["conflict_rate"]
     if paper_rate is not None:
         title += f" (vs Σg/K: {100 * paper_rate:.0f}%)"
