@@ -303,7 +303,8 @@ def conflict_attribution(att: dict | None, step: int | None, revision: Any = "at
     k, l = att["pair"]
     fig.update_xaxes(title="samples of the unit, most negative share first", showticklabels=False)
     fig.update_yaxes(title=f"share of cos({k}, {l})")
-    fig.update_layout(legend_title_text="prompt source", bargap=0.15)
+    # showlegend: the help says the colours are prompt sources, and plotly hides the legend of a lone trace
+    fig.update_layout(legend_title_text="prompt source", bargap=0.15, showlegend=True)
     where = (f"in the step's last unit (the step was solved whole; the heatmap shows its cosines)"
              if att.get("scope") == "unit" else f"on the {len(rows)} samples of the solved unit")
     return _layout(fig, f"{title} at step {step}: cos({k}, {l}) = {att['cosine']:+.2f} {where}", revision,

@@ -367,3 +367,13 @@ def test_the_cosine_slider_is_locked_until_a_second_step_is_diagnosed():
     state.balance.append(balance_row(3, np.eye(3).tolist(), [1.0] * 3, [1 / 3] * 3, [1 / 3] * 3, [0.5] * 3))
     two = cos_slider(state)
     assert two["interactive"] is True and (two["minimum"], two["maximum"], two["value"]) == (1, 3, 3)
+
+
+def test_the_attribution_plot_names_its_one_prompt_source_in_a_legend():
+    """New-user pass: the help says the bar colours are prompt sources, but a run with one source had no legend."""
+    att = {"pair": ["a", "b"], "cosine": -0.5, "scope": "microbatch",
+           "samples": [{"share": -0.4, "source": "world-general", "prompt": "a red circle", "seed": 0, "sigma": 0.5},
+                       {"share": -0.1, "source": "world-general", "prompt": "a blue square", "seed": 1, "sigma": 0.5}]}
+    fig = plots.conflict_attribution(att, 3)
+    assert fig.layout.showlegend is True and [t.name for t in fig.data] == ["world-general"]
+    assert fig.layout.legend.title.text == "prompt source"
