@@ -25,9 +25,10 @@ $(STAMP): requirements.txt
 run: $(STAMP)
 	$(BIN)/python -m app
 
-# Headless: the default MARBLE run on the pretrained mini-world model (~9 min on 2 cores, measured 8 min 51 s).
+# Headless: the default MARBLE run on the pretrained mini-world model (~9 min on 2 cores, measured 8 min 51 s), in a
+# new folder each time (core.train refuses to start a second run in a folder that holds one).
 train: $(STAMP)
-	$(BIN)/python -m core.train --preset mini-marble --out runs/mini-marble
+	$(BIN)/python -m core.train --preset mini-marble --out runs/mini-marble-$$(date +%Y%m%d-%H%M%S)
 
 # Browser tests drive Debian's Chromium through Playwright (never `playwright install`: no downloads).
 browser:

@@ -525,7 +525,24 @@ class TrainConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "TrainConfig":
-        return cls.from_json(Path(path).read_text())
+        """The config in a JSON file; a path that is no readable file is a ValueError naming it (not an OSError
+        traceback)."""
+        p = Path(path)
+        if p.is_dir():
+            raise ConfigError("--config", str(path), "is a folder; give a TrainConfig JSON file (a run folder's "
+                                                     "config.json)")
+        try:
+            text = p.read_text()
+        except FileNotFoundError:
+            raise ConfigError("--config", str(path), "no such file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError("--config", str(path), f"cannot be read ({type(e).__name__})") from None
+        try:
+            return cls.from_json(text)
+        except ConfigError as e:
+            if e.field == "<json>":
+                raise ConfigError("--config", str(path), "is not valid JSON") from None
+            raise
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
@@ -571,6 +588,9 @@ def _set_dotted(data: dict, key: str, value: Any) -> None:
                 raise ConfigError(key, value, f"'{part}' is not an index of a list of {len(node)}")
             part_key: Any = int(part)
         else:
+            if not isinstance(node, dict):  # balance.ema_rho.x: a number has no fields
+                raise ConfigError(key, value, f"'{'.'.join(parts[:i])}' is a value, not a section: it has no "
+                                              f"field '{part}'")
             if part not in node and part in _OLD_NAMES and isinstance(node, dict) and _OLD_NAMES[part] in node:
                 part = _OLD_NAMES[part]  # an old field name (e.g. balance.refresh_every) sets the renamed field
             if part not in node:

@@ -94,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("--master-port", type=int, default=29500, help="node 0's port (several nodes)")
     args = parser.parse_args(argv)
 
+    for flag, value in (("--num-processes", args.num_processes), ("--num-nodes", args.num_nodes)):
+        if value is not None and value < 1:  # 0 relaunched as one process and trained anyway
+            print(f"error: {flag}={value}: must be an integer >= 1", file=sys.stderr)
+            return 2
+    if not args.out.strip():  # '' is the current folder: a run written into wherever the command was typed
+        print("error: --out='': name the run folder, e.g. --out runs/my-run", file=sys.stderr)
+        return 2
     if args.num_processes is not None or args.num_nodes != 1:
         return _relaunch_under_torchrun(args, sys.argv[1:] if argv is None else argv)
     rank = launch_rank()
@@ -103,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.resume is not None and not args.config and not args.preset and (out / "config.json").exists():
             args.config = str(out / "config.json")
+        if args.resume is None and _holds_a_run(out):  # a new run here would interleave its events and
+            # checkpoints with the old run's and overwrite its config.json
+            raise ValueError(f"--out={str(out)!r}: already holds a run (config.json, events or checkpoints); "
+                             f"continue it with --resume, or give a new folder")
         config = build_config(args)
         _preflight(config, out)
         if args.resume == "latest":
@@ -112,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.resume:
             resume = Path(args.resume)
             if not resume.is_dir():
-                raise FileNotFoundError(f"--resume {args.resume!r}: no such folder (give a checkpoint folder "
+                what = "is a file, not a folder" if resume.exists() else "no such folder"
+                raise FileNotFoundError(f"--resume {args.resume!r}: {what} (give a checkpoint folder "
                                         f"such as RUN/checkpoints/step_000010, or a run folder)")
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"{prefix}error: {e}", file=sys.stderr)
@@ -173,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{result.status}: {result.step} steps; events in {out / EVENTS_FILE}; "
           f"checkpoint {result.last_checkpoint}")
     return 0
+
+
+def _holds_a_run(out: Path) -> bool:
+    return out.is_dir() and ((out / "config.json").exists() or (out / EVENTS_FILE).exists() or bool(checkpoints_in(out)))
 
 
 def _preflight(config: TrainConfig, out: Path) -> None:

@@ -73,8 +73,14 @@ TRAIN = [
     ("unknown-key", ["--out", "{tmp}/r", "--set", "sampling.nope=1"], ["sampling.nope", "unknown key"]),
     ("set-no-equals", ["--out", "{tmp}/r", "--set", "steps"], ["--set", "steps", "key=value"]),
     ("preset-unknown", ["--out", "{tmp}/r", "--preset", "huge"], ["preset", "huge", "valid choices"]),
-    ("config-missing", ["--out", "{tmp}/r", "--config", "{tmp}/none.json"], ["none.json"]),
-    ("config-not-json", ["--out", "{tmp}/r", "--config", "{tmp}/bad.json"], ["<json>", "not valid JSON"]),
+    ("config-missing", ["--out", "{tmp}/r", "--config", "{tmp}/none.json"], ["--config=", "none.json", "no such file"]),
+    ("config-not-json", ["--out", "{tmp}/r", "--config", "{tmp}/bad.json"], ["--config=", "bad.json", "not valid JSON"]),
+    ("config-is-folder", ["--out", "{tmp}/r", "--config", "{tmp}/run"], ["--config=", "is a folder", "config.json"]),
+    ("set-into-a-value", ["--out", "{tmp}/r", "--set", "balance.ema_rho.x=0.5"],
+     ["balance.ema_rho.x", "'balance.ema_rho' is a value, not a section"]),
+    ("out-holds-a-run", ["--out", "{tmp}/run"], ["--out=", "already holds a run", "--resume"]),
+    ("out-empty", ["--out", ""], ["--out=''", "name the run folder"]),
+    ("processes-zero", ["--out", "{tmp}/r", "--num-processes", "0"], ["--num-processes=0", ">= 1"]),
     ("prompts-list-line", ["--out", "{tmp}/r", "--set", 'prompts.sources=["file:{tmp}/list.jsonl"]'],
      ["list.jsonl:1", "must be a JSON object", "not a list"]),
     ("prompts-not-utf8", ["--out", "{tmp}/r", "--set", 'prompts.sources=["file:{tmp}/latin1.txt"]'],
@@ -155,6 +161,7 @@ JOBS = [
      ["rewards[0].name='spatial_relation'", "applies to no prompt"]),
     ("submit-processes", ["--home", "{tmp}/h", "submit", "--num-processes", "0"], ["num_processes=0", ">= 1"]),
     ("submit-config-missing", ["--home", "{tmp}/h", "submit", "--config", "{tmp}/none.json"], ["none.json"]),
+    ("submit-config-folder", ["--home", "{tmp}/h", "submit", "--config", "{tmp}/run"], ["--config=", "is a folder"]),
 ]
 
 
