@@ -320,14 +320,8 @@ def shared_base(runs: list[Path], settings: EvalSettings) -> BaseEvaluation:
 def study(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSettings) -> dict:
     """Evaluate runs that share a model, prompts and sampler against one base evaluation; write
     study.md, study.json, alpha.png and worst_cosine.png into ``out_dir``."""
-    from core.config import TrainConfig
-
     runs = [Path(r) for r in run_dirs]
-    refused = unpoolable([(str(r), TrainConfig.load(r / "config.json").balance.strategy,
-                           json.loads((r / "config.json").read_text())) for r in runs])
-    if refused:
-        raise ValueError("a study pools each strategy's runs as seeds of one design; "
-                         + "; ".join(f"{s}: {why}" for s, why in refused.items()))
+    refuse_unpoolable(runs, "a study")
     base = shared_base(runs, settings)
     logs = [read_events(r) for r in runs]  # each log read once: a 200-step log is ~0.6 MB of JSON lines
     results = [evaluate_run(r, settings, base, events=ev) if _has_checkpoint(r)
@@ -347,6 +341,17 @@ def study(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSetting
     return doc
 
 
+def refuse_unpoolable(runs: list[Path], what: str) -> None:
+    """ValueError naming every strategy whose runs are not independent seeds of one design (:func:`unpoolable`)."""
+    from core.config import TrainConfig
+
+    refused = unpoolable([(str(r), TrainConfig.load(r / "config.json").balance.strategy,
+                           json.loads((r / "config.json").read_text())) for r in runs])
+    if refused:
+        raise ValueError(f"{what} pools each strategy's runs as seeds of one design; "
+                         + "; ".join(f"{s}: {why}" for s, why in refused.items()))
+
+
 def curve(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSettings) -> dict:
     """Held-out Δ/std of every training reward (and the composite) at every checkpoint each run kept, against
     one base evaluation; writes curve.json (one point per run and checkpoint, and each strategy's mean ± standard
@@ -356,6 +361,7 @@ def curve(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSetting
     if missing:
         raise FileNotFoundError(f"no checkpoints to evaluate in {', '.join(missing)}; a curve needs the run folders "
                                 f"with their checkpoints/, not a study archive")
+    refuse_unpoolable(runs, "a curve")
     from core.checkpoint import checkpoints_in, step_of
 
     base = shared_base(runs, settings)

@@ -172,6 +172,9 @@ def test_a_study_refuses_one_run_counted_twice(runs, capsys):
     assert main(["--study", str(runs[0]), str(runs[0]), str(runs[1]), "--out", "unused",
                  "--prompts-per-source", "2", "--seeds", "2"]) == 2
     assert f"marble: seed 0 is picked 2 times ({runs[0]}, {runs[0]})" in capsys.readouterr().out
+    assert main(["--curve", str(runs[0]), str(runs[0]), "--out", "unused"]) == 2  # --curve pools the same way
+    assert "a curve pools each strategy's runs as seeds of one design; marble: seed 0 is picked 2 times" in \
+        capsys.readouterr().out
 
 
 def test_training_summary_gives_the_drift_over_the_last_tenth_of_steps(tmp_path):
