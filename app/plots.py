@@ -436,8 +436,10 @@ def alpha_overlay(runs: Sequence[dict], reward_names: Sequence[str]) -> go.Figur
             if not rows:
                 continue
             fig.add_trace(go.Scatter(x=[r["step"] for r in rows], y=_finite(r["alpha_ema"].get(name) for r in rows),
-                                     mode="lines", line=dict(color=reward_colour(name),
-                                                             dash=RUN_DASHES[j % len(RUN_DASHES)]),
+                                     # a run with one solve is one point: a line alone draws nothing
+                                     mode="lines+markers" if len(rows) < 2 else "lines",
+                                     line=dict(color=reward_colour(name), dash=RUN_DASHES[j % len(RUN_DASHES)]),
+                                     marker=dict(size=8, symbol=RUN_SYMBOLS[j % len(RUN_SYMBOLS)]),
                                      name=f"{run['label']} · {name}"))
     if not fig.data:
         return empty_figure("α across runs", "None of the selected runs has balancing rows yet.")

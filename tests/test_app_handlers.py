@@ -377,3 +377,13 @@ def test_the_attribution_plot_names_its_one_prompt_source_in_a_legend():
     fig = plots.conflict_attribution(att, 3)
     assert fig.layout.showlegend is True and [t.name for t in fig.data] == ["world-general"]
     assert fig.layout.legend.title.text == "prompt source"
+
+
+def test_the_study_alpha_overlay_draws_a_run_with_a_single_solve():
+    """Second pass: two 3-step runs with one harmonized step each gave a legend and an empty plot (lines of one
+    point draw nothing)."""
+    row = balance_row(1, np.eye(3).tolist(), [1.0] * 3, [1 / 3] * 3, [1 / 3] * 3, [0.5] * 3)
+    fig = plots.alpha_overlay([{"label": "#1 a", "balance": [row]}, {"label": "#2 b", "balance": [row, {**row, "step": 3}]}],
+                              NAMES)
+    modes = {t.name: t.mode for t in fig.data}
+    assert modes["#1 a · a"] == "lines+markers" and modes["#2 b · a"] == "lines"
