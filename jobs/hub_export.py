@@ -37,6 +37,7 @@ ALPHA_IMAGE = "alpha_trajectory.png"
 GRID_IMAGE = "samples.png"
 BUILTIN_MODELS = ("tiny", "mini-world")  # core.models' built-in pipelines: they ship with the code, not the Hub
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]{0,63}")  # the Hub's license ids (apache-2.0, openrail++, other)
 
 
 class ExportError(ValueError):
@@ -301,6 +302,10 @@ def export_hub(store: Store, run_id: int, out: str | Path, checkpoint_step: int 
         raise ExportError(f"out={str(out)!r}: must be an empty or new folder (it would mix with the files there)")
     if repo_id is not None and not _REPO_ID.match(repo_id):
         raise ExportError(f"push={repo_id!r}: must be a Hub repo id of the form user/name or org/name")
+    if license_id is not None and not _LICENSE_ID.fullmatch(license_id):
+        raise ExportError(f"license={license_id!r}: must be a Hub license id such as apache-2.0, mit, "
+                          f"cc-by-nc-4.0 or other (lowercase letters, digits, '.', '-', '+'; it goes into the "
+                          f"card's metadata as written)")
     run = store.get_run(run_id)
     ckpt = pick_checkpoint(store, run_id, checkpoint_step)
     ckpt_dir = Path(ckpt["path"])

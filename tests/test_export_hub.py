@@ -192,11 +192,14 @@ def test_bad_export_input_names_the_field(trained, tmp_path):
         (["--out", str(tmp_path / "full")], "must be an empty or new folder"),
         (["--out", str(tmp_path / "c"), "--checkpoint", "7"], "checkpoint=7: run %d has checkpoints at steps 2" % run_id),
         (["--out", str(tmp_path / "d"), "--push", "not a repo"], "push='not a repo': must be a Hub repo id"),
+        (["--out", str(tmp_path / "e"), "--license", "bogus license"], "license='bogus license': must be a Hub license id"),
+        (["--out", str(tmp_path / "f"), "--license", "mit\nfoo: bar"], "license='mit\\nfoo: bar': must be a Hub"),
         ([], "--out: --format hub writes a folder"),
     ]
     for extra, message in cases:
         code, _, err = run_cli(store.home, "export", str(run_id), "--format", "hub", *extra)
         assert code == 2 and message in err, (extra, err)
+    assert not (tmp_path / "e").exists() and not (tmp_path / "f").exists()  # refused before anything is written
     code, _, err = run_cli(store.home, "export", str(run_id), "--format", "csv", "--push", "me/x")
     assert code == 2 and "--push: only --format hub takes it" in err
 
