@@ -793,6 +793,9 @@ def _check_args(args: argparse.Namespace) -> None:
         if not (ckpt / "pytorch_lora_weights.safetensors").is_file():
             raise UsageError(f"--checkpoint={args.checkpoint!r}: holds no pytorch_lora_weights.safetensors; pass "
                              f"a checkpoint folder such as RUN/checkpoints/step_000010")
+    if args.run and args.out:  # it was ignored: the scores went into the run folder, and nothing into --out
+        raise UsageError(f"--out={args.out!r}: only --study and --curve write to a folder; --run writes "
+                         f"eval_<split>.json and .md into the run folder")
     if (args.study or args.curve) and args.out:
         writable_dir("--out", Path(args.out))
 

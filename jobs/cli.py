@@ -31,6 +31,9 @@ import time
 from jobs import schema as s
 from jobs.storage import RunNotFound, Store, TransitionError
 
+DEFAULT_TIME_LIMIT_MIN = 24 * 60  # worker --time-limit: minutes per Slurm job
+DEFAULT_CPUS_PER_GPU = 8  # worker --cpus-per-gpu
+
 
 def _fmt_seconds(x: float | None) -> str:
     if x is None:
@@ -199,6 +202,16 @@ def cmd_worker(store: Store, args) -> int:
             print(f"still queued or running: {line}; `python -m jobs cancel RUN` stops one")
         return 0
     settings = RunnerSettings.from_env(poll_seconds=args.poll)
+    if args.executor == "process":  # the cluster flags configure Slurm jobs; here they would be silently ignored
+        given = [flag for flag, value, default in (
+            ("--partition", args.partition, None), ("--time-limit", args.time_limit, DEFAULT_TIME_LIMIT_MIN),
+            ("--cpus-per-gpu", args.cpus_per_gpu, DEFAULT_CPUS_PER_GPU), ("--mem-gb", args.mem_gb, None),
+            ("--account", args.account, None), ("--qos", args.qos, None), ("--constraint", args.constraint, None),
+            ("--submitit-folder", args.submitit_folder, None)) if value != default]
+        if given:
+            print(f"error: {', '.join(given)}: only --executor slurm or submitit-local takes "
+                  f"{'it' if len(given) == 1 else 'them'} (this worker runs jobs as local processes)", file=sys.stderr)
+            return 2
     try:
         if args.executor == "process":
             worker = Worker(store, slots=args.slots, settings=settings)
@@ -352,8 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="process: a local process per job (default); slurm: submit each run to Slurm through "
                         "submitit (docs/cluster.md); submitit-local: submitit's local executor")
     p.add_argument("--partition", help="slurm: the partition")
-    p.add_argument("--time-limit", type=int, default=24 * 60, metavar="MIN", help="slurm: minutes per job (default 1440)")
-    p.add_argument("--cpus-per-gpu", type=int, default=8, help="slurm: CPUs per GPU (default 8)")
+    p.add_argument("--time-limit", type=int, default=DEFAULT_TIME_LIMIT_MIN, metavar="MIN",
+                   help=f"slurm: minutes per job (default {DEFAULT_TIME_LIMIT_MIN})")
+    p.add_argument("--cpus-per-gpu", type=int, default=DEFAULT_CPUS_PER_GPU,
+                   help=f"slurm: CPUs per GPU (default {DEFAULT_CPUS_PER_GPU})")
     p.add_argument("--mem-gb", type=int, help="slurm: memory per node in GB")
     p.add_argument("--account", help="slurm: the account to charge")
     p.add_argument("--qos", help="slurm: the quality of service")

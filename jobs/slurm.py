@@ -73,6 +73,8 @@ class ClusterSettings:
             raise ValueError(f"time_limit_min={self.time_limit_min!r}: must be an integer >= 1 (minutes)")
         if not (isinstance(self.cpus_per_gpu, int) and self.cpus_per_gpu >= 1):
             raise ValueError(f"cpus_per_gpu={self.cpus_per_gpu!r}: must be an integer >= 1")
+        if self.mem_gb is not None and not (isinstance(self.mem_gb, int) and self.mem_gb >= 1):
+            raise ValueError(f"mem_gb={self.mem_gb!r}: must be an integer >= 1 (GB per node), or left out")
 
 
 def private_folder(path: Path, data_dir: Path) -> Path:

@@ -136,6 +136,7 @@ EVALUATE = [
      ["--checkpoint", "step_000001", "pytorch_lora_weights.safetensors"]),
     ("run-not-a-run", ["--run", "{tmp}/nowhere"], ["--run", "nowhere", "no config.json"]),
     ("seeds-zero", ["--run", "{tmp}/run", "--seeds", "0"], ["--seeds=0", "[1, 256]"]),
+    ("run-with-out", ["--run", "{tmp}/run", "--out", "{tmp}/e"], ["--out=", "only --study and --curve"]),
     ("study-out-file", ["--study", "{tmp}/run", "{tmp}/run", "--out", "{tmp}/afile"], ["--out", "afile", "existing file"]),
 ]
 
@@ -151,6 +152,10 @@ JOBS = [
     ("logs-missing-run", ["--home", "{tmp}/h", "logs", "7"], ["run", "7"]),
     ("worker-poll", ["--home", "{tmp}/h", "worker", "--poll", "-1"], ["--poll=-1.0", "(0, 3600]"]),
     ("worker-slots", ["--home", "{tmp}/h", "worker", "--slots", "0"], ["--slots=0", "[1, 256]"]),
+    ("worker-slurm-flag-local", ["--home", "{tmp}/h", "worker", "--time-limit", "0", "--once"],
+     ["--time-limit", "only --executor slurm or submitit-local takes it"]),
+    ("worker-slurm-mem", ["--home", "{tmp}/h", "worker", "--executor", "submitit-local", "--mem-gb", "-1", "--once"],
+     ["mem_gb=-1", "integer >= 1"]),
     ("export-out-dir", ["--home", "{tmp}/h", "export", "1", "--format", "csv", "--out", "{tmp}"],
      ["--out", "is a folder", "metrics.csv"]),
     ("show-run-zero", ["--home", "{tmp}/h", "show", "0"], ["RUN=0", ">= 1"]),
