@@ -67,9 +67,12 @@ def md_literal(text: str) -> str:
             return token
         return f"`{core}`{token[len(core):]}"
 
-    parts = re.split(r"(`[^`]*`)", text)
-    return "".join(p if len(p) > 1 and p.startswith("`") and p.endswith("`") else re.sub(r"[^\s`]*[_*][^\s`]*", word, p)
-                   for p in parts)
+    def outside_code(part: str) -> str:
+        if len(part) > 1 and part.startswith("`") and part.endswith("`"):  # a code span: as written
+            return part
+        return re.sub(r"[^\s`]*[_*][^\s`]*", word, part)
+
+    return "".join(outside_code(p) for p in re.split(r"(`[^`]*`)", text))
 
 
 def exposed() -> bool:

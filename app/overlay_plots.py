@@ -58,7 +58,8 @@ def overlay_rewards(runs: Sequence[OverlayRun], smoothing: float = 0.6) -> go.Fi
                                      line=dict(color=c, width=2.5, dash=dash),
                                      marker=dict(symbol=symbol, size=7, color=c, maxdisplayed=12), name=group,
                                      legendgroup=group, **axes(1, i + 1)))
-    fig = _layout(fig, f"Mean reward per step, {len(runs)} run{'' if len(runs) == 1 else 's'} (colour: reward; dash and marker: run; "
+    n_runs = f"{len(runs)} run{'' if len(runs) == 1 else 's'}"
+    fig = _layout(fig, f"Mean reward per step, {n_runs} (colour: reward; dash and marker: run; "
                        f"smoothing {smoothing:g})", "overlay-rewards", height=480)
     fig.update_layout(margin=dict(b=120),  # the legend under the axes' "step" titles
                       legend=dict(orientation="h", yanchor="top", y=-0.3, xanchor="left", x=0.0))

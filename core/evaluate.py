@@ -326,7 +326,7 @@ def study(run_dirs: list[str | Path], out_dir: str | Path, settings: EvalSetting
     logs = [read_events(r) for r in runs]  # each log read once: a 200-step log is ~0.6 MB of JSON lines
     results = [evaluate_run(r, settings, base, events=ev) if _has_checkpoint(r)
                else archived_evaluation(r, settings, base) for r, ev in zip(runs, logs)]
-    for r, res, ev in zip(runs, results, logs):  # from the log, also for an archived run evaluated before a field existed
+    for r, res, ev in zip(runs, results, logs):  # from the log: also for an archive evaluated before a field existed
         res["mean_alpha"] = mean_alpha(ev)
         res["training"] = training_summary(r, ev)
     out = Path(out_dir)

@@ -80,7 +80,8 @@ def _prompt_count(images: Any, settings: dict) -> str:
     so "16 per source" would overstate a 7-prompt source."""
     seeds, asked = settings.get("seeds_per_prompt"), settings.get("prompts_per_source")
     if not (isinstance(images, int) and isinstance(seeds, int) and seeds > 0):
-        return f"{asked if asked is not None else '?'} prompts per source × {seeds if seeds is not None else '?'} seeds"
+        shown = ["?" if v is None else v for v in (asked, seeds)]
+        return f"{shown[0]} prompts per source × {shown[1]} seeds"
     return f"{images // seeds} prompts × {seeds} seeds; up to {asked} per source asked"
 
 

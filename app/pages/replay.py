@@ -66,8 +66,8 @@ def build() -> dict:
         reload_btn = gr.Button("Reload runs", scale=1, elem_id="replay-reload")
     with gr.Row():
         rho = gr.Slider(0, 0.95, value=0.7, step=0.05, label="ρ (EMA)", elem_id="replay-rho",
-                        info=md_literal("ᾱ ← ρ·ᾱ + (1−ρ)·α*: how much of the past ᾱ each solve keeps (0: use each "
-                                        "solve's α* as is; near 1: ᾱ moves slowly)"))
+                        info=md_literal("ᾱ ← ρ·ᾱ + (1−ρ)·α*: how much of the past ᾱ each solve keeps "
+                                        "(0: use each solve's α* as is; near 1: ᾱ moves slowly)"))
         every = gr.Number(value=10, label="N (solve every N steps)", elem_id="replay-n")
         normalize = gr.Checkbox(value=True, label="Normalize gradients", elem_id="replay-normalize")
     with gr.Row():  # the release's optional knobs (config/base.py pareto.*), off by default
