@@ -25,7 +25,7 @@ def test_each_comparison_fills_its_own_slider_even_with_the_same_row_labels(stor
     first = store.add_comparison("first", [], result=done_result("first"))
     second = store.add_comparison("second", [], result=done_result("second"))
     md, items, labels, rows, pair, col_a, col_b = grid(first, 0, 1)
-    assert labels == ["0: a red circle (seed 0)", "1: a blue square (seed 0)"] and rows["value"] == labels[0]
+    assert labels == ["1: a red circle (seed 0)", "2: a blue square (seed 0)"] and rows["value"] == labels[0]
     assert pair == ("/grids/first/p0_c0.png", "/grids/first/p0_c1.png")
     # the A/B pickers name each column by number and checkpoint, not a bare index
     assert col_a["choices"] == [("1. base", 0), ("2. step 2", 1)] and (col_a["value"], col_b["value"]) == (0, 1)
@@ -68,7 +68,7 @@ def test_the_tick_sends_the_grid_once_per_state(store):
     assert "is **running**" in out[0]
     store.update_comparison(cid, done_result("live"))
     out = poll(cid, out[2], 0, 1)
-    assert out[2] == ["0: a red circle (seed 0)", "1: a blue square (seed 0)"]
+    assert out[2] == ["1: a red circle (seed 0)", "2: a blue square (seed 0)"]
     assert out[4] == ("/grids/live/p0_c0.png", "/grids/live/p0_c1.png")
     assert out[7]["choices"] == [(f"comparison {cid}: live · succeeded", cid)]  # the saved list shows it done
     assert poll(cid, out[2], 0, 1) == (skip, skip, out[2], skip, skip, skip, skip, skip)

@@ -122,7 +122,7 @@ def grid(comparison_id: Any, a: int | None = 0, b: int | None = 1) -> tuple[Any,
                  "the grid appears when it is done.")
         return (f"Comparison #{row['id']} is **{status}**{progress} — {after}", "", [],
                 gr.update(choices=[], value=None), None, *_columns(None, a, b))
-    labels = [f"{i}: {r['prompt']} (seed {r['seed']})" for i, r in enumerate(result["rows"])]
+    labels = [f"{i + 1}: {r['prompt']} (seed {r['seed']})" for i, r in enumerate(result["rows"])]  # from 1, as columns
     n = len(result["rows"][0]["cells"]) if result["rows"] else 1
     md = (f"Comparison #{row['id']} **{row['name']}**: {len(result['rows'])} prompt×seed rows × {n} columns "
           f"({result.get('seconds', 0):.1f} s). Columns: "
@@ -166,7 +166,7 @@ def slider_pair(comparison_id: Any, row_label: str | None, a: int | None, b: int
     result = context.store().get_comparison(int(comparison_id)).get("result") or {}
     if not result.get("rows"):
         return None
-    cells = result["rows"][int(row_label.split(":", 1)[0])]["cells"]
+    cells = result["rows"][int(row_label.split(":", 1)[0]) - 1]["cells"]
     a, b = min(int(a or 0), len(cells) - 1), min(int(b or 0), len(cells) - 1)
     return (cells[a]["path"], cells[b]["path"])
 
