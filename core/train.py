@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from core.checkpoint import checkpoints_in, is_disk_full
+from core.checkpoint import checkpoints_in, is_checkpoint_folder, is_disk_full
 from core.config import ConfigError, TrainConfig, available_presets, preset
 from core.launch import launch_rank, launched_by_torchrun, torchrun_command
 
@@ -126,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
                 what = "is a file, not a folder" if resume.exists() else "no such folder"
                 raise FileNotFoundError(f"--resume {args.resume!r}: {what} (give a checkpoint folder "
                                         f"such as RUN/checkpoints/step_000010, or a run folder)")
+            if not is_checkpoint_folder(resume) and not (resume / "checkpoints").is_dir():  # refused before the
+                # model loads, not after (an empty folder failed only once training had started)
+                raise FileNotFoundError(f"--resume {args.resume!r}: holds no checkpoint and no checkpoints/ folder "
+                                        f"(give a checkpoint folder such as RUN/checkpoints/step_000010, or a run "
+                                        f"folder)")
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"{prefix}error: {e}", file=sys.stderr)
         return 2

@@ -50,6 +50,8 @@ TRAIN = [
     ("out-under-file", ["--out", "{tmp}/afile/run"], ["--out", "afile", "is a file"]),
     ("resume-missing", ["--out", "{tmp}/r", "--resume", "{tmp}/nowhere"], ["--resume", "nowhere", "no such folder"]),
     ("resume-nothing", ["--out", "{tmp}/r", "--resume"], ["--resume", "no checkpoint"]),
+    ("resume-empty-folder", ["--out", "{tmp}/r", "--resume", "{tmp}/run/checkpoints"],
+     ["--resume", "holds no checkpoint and no checkpoints/ folder"]),
     ("device-cuda", ["--out", "{tmp}/r", "--set", "model.device=cuda"], ["model.device", "cuda", "no CUDA"]),
     ("device-bogus", ["--out", "{tmp}/r", "--set", "model.device=gpu0"], ["model.device", "gpu0", "valid choices"]),
     ("seed-huge", ["--out", "{tmp}/r", "--set", f"seed={HUGE}"], ["seed", str(HUGE), "2**63 - 1"]),
