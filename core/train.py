@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _holds_a_run(out: Path) -> bool:
-    return out.is_dir() and ((out / "config.json").exists() or (out / EVENTS_FILE).exists() or bool(checkpoints_in(out)))
+    return out.is_dir() and any(((out / "config.json").exists(), (out / EVENTS_FILE).exists(), checkpoints_in(out)))
 
 
 def _preflight(config: TrainConfig, out: Path) -> None:
