@@ -28,6 +28,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.cache import BUILT_IN_MODELS  # built-in pipelines ship with the code, not the Hub
 from jobs.storage import Store
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -35,7 +36,6 @@ EMA_DIR = "ema"
 CONFIG_FILE = "marble_config.json"
 ALPHA_IMAGE = "alpha_trajectory.png"
 GRID_IMAGE = "samples.png"
-BUILTIN_MODELS = ("tiny", "mini-world")  # core.models' built-in pipelines: they ship with the code, not the Hub
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]{0,63}")  # the Hub's license ids (apache-2.0, openrail++, other)
 
@@ -89,7 +89,7 @@ def base_model_id(name: str) -> str:
     for part in Path(name).parts:
         if part.startswith("models--") and part.count("--") >= 2:
             return part[len("models--"):].replace("--", "/", 1)
-    return name if name in BUILTIN_MODELS else Path(name).name
+    return name if name in BUILT_IN_MODELS else Path(name).name
 
 
 def pick_checkpoint(store: Store, run_id: int, step: int | None = None) -> dict:
@@ -276,7 +276,7 @@ def build_card(store: Store, run_id: int, config, checkpoint: dict, folder: Path
         license_line=f"`{license_id}`" if license_id else ("not set: choose one and add a `license:` line to the "
                                                      "metadata above before publishing"),
         load_line=(f"pipe = StableDiffusion3Pipeline.from_pretrained(\"{base}\", torch_dtype=torch."
-                   f"{'bfloat16' if config.model.dtype == 'bfloat16' else 'float32'})" if base not in BUILTIN_MODELS
+                   f"{'bfloat16' if config.model.dtype == 'bfloat16' else 'float32'})" if base not in BUILT_IN_MODELS
                    else f"from core.models import load_pipeline  # {base} ships with MARBLE Studio, not on the Hub\n"
                         f"pipe = load_pipeline(\"{base}\")"),
         repo_or_folder=repo_id or "PATH/TO/THIS/FOLDER",
