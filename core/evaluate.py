@@ -345,8 +345,8 @@ def refuse_unpoolable(runs: list[Path], what: str) -> None:
     """ValueError naming every strategy whose runs are not independent seeds of one design (:func:`unpoolable`)."""
     from core.config import TrainConfig
 
-    refused = unpoolable([(str(r), TrainConfig.load(r / "config.json").balance.strategy,
-                           json.loads((r / "config.json").read_text())) for r in runs])
+    configs = [TrainConfig.load(r / "config.json") for r in runs]  # each read once, old field names mapped
+    refused = unpoolable([(str(r), c.balance.strategy, c.to_dict()) for r, c in zip(runs, configs)])
     if refused:
         raise ValueError(f"{what} pools each strategy's runs as seeds of one design; "
                          + "; ".join(f"{s}: {why}" for s, why in refused.items()))
