@@ -95,10 +95,10 @@ def _few_whole_xs(fig: go.Figure, most: int = 10) -> bool:
         if xs is None:
             continue
         for v in xs:
-            if v is None or isinstance(v, (str, bool)):
-                if isinstance(v, (str, bool)):
-                    return False
+            if v is None:  # a gap in a series
                 continue
+            if isinstance(v, (str, bool)):  # categories
+                return False
             try:
                 f = float(v)
             except (TypeError, ValueError):
