@@ -163,9 +163,9 @@ def _refusal(e: Exception, prefix: str = "Not started.") -> str:
 # ---- layout --------------------------------------------------------------------------------------
 
 def _widget(f: FormField) -> gr.components.Component:
-    # min_width (and static/style.css for checkboxes, whose min_width Gradio drops): a row of nine fields squeezed
-    # the normalize checkbox to "norm" with its help one word wide; at 220 px the row wraps instead
-    common = dict(label=f.label, info=f.help or None, elem_id=f"field-{f.path.replace('.', '-')}", min_width=220)
+    # every field's width comes from static/style.css ([id^="field-"], min 220 px): Gradio drops a checkbox's
+    # min_width, and a row of nine fields squeezed the normalize checkbox to "norm"
+    common = dict(label=f.label, info=f.help or None, elem_id=f"field-{f.path.replace('.', '-')}")
     if f.kind == "bool":
         return gr.Checkbox(value=f.default, **common)
     if f.kind == "int":
